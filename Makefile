@@ -1,0 +1,32 @@
+# Two entry points: `make demo` (the whole job on a local S3 server) and `make test`.
+# Both install what they need: Debian's fuse3/libfuse3-dev/pkg-config (as root) and a virtualenv.
+PYTHON ?= python3
+VENV   := .venv
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench deps clean
+
+demo: $(STAMP)
+	$(VENV)/bin/cachefs demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -ra
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_read.py --quick
+
+deps:
+	@missing=""; for p in fuse3 libfuse3-dev pkg-config gcc; do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "please install:$$missing (as root)"; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+
+$(STAMP): pyproject.toml | deps
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) *.egg-info

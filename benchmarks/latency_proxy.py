@@ -1,0 +1,458 @@
+"""A TCP proxy that emulates a distant object store on loopback, and injects faults.
+
+The kernel here has no ``sch_netem`` (DESIGN.md §3), so benchmarks and tests put
+this proxy between an S3 client and a local S3 server (moto, rclone, RGW):
+
+    client ──> LatencyProxy(127.0.0.1:port) ──(+latency)──> upstream S3 server
+           <──────(bandwidth cap, shared by all connections)──
+
+Latency. Every client->server chunk is stamped when it arrives and forwarded
+``latency`` seconds later by a per-connection forwarder that sleeps until each
+chunk's due time (a queue ordered by time, not one sleep per chunk in
+sequence). A request therefore pays ``latency`` once, however many chunks its
+body spans, and throughput is unchanged: +latency per request round trip.
+
+Bandwidth. Server->client bytes pass a token bucket shared by all connections
+(``bandwidth`` bytes/s, ``None`` = unlimited), so N parallel downloads share
+the link the way they would share a NIC.
+
+Request boundaries (a heuristic: we do not parse HTTP). A client->server chunk
+starts a request when it begins with an HTTP method token (``GET ``, ``PUT ``,
+...) and arrives at a request boundary: it is the first chunk of the
+connection, or the first one since the server sent a final (non-1xx) response.
+Bodies after ``100 Continue`` are therefore not mistaken for requests. It
+assumes no HTTP pipelining (boto3/urllib3 never pipeline) and that a request
+line is not split across the first two TCP reads (true on loopback in
+practice). Request counters, faults and stragglers act on these boundaries.
+
+Faults, settable from any thread while the proxy runs:
+  ``fail_next(n, kind)``  the next n requests get: "503" (we answer
+      ``503 Slow Down`` with an S3 ``SlowDown`` XML error), "500" (an S3
+      ``InternalError``), "reset" (abortive close: RST via SO_LINGER 0) or
+      "hang" (the request is swallowed and never answered until the client
+      closes: for timeout tests). HTTP error answers carry ``Connection: close``.
+  ``refuse(True)``        stop listening (new connections get ECONNREFUSED) and,
+      by default, drop live connections; ``refuse(True, mode="close")``
+      accepts and closes at once instead; ``refuse(False)`` restores service
+      on the same port.
+  ``stragglers(fraction, delay)``  that fraction of requests waits ``delay``
+      extra seconds (seeded RNG, so runs repeat).
+  ``stats()``             requests seen, faults injected by kind, connections.
+
+CLI:
+  python benchmarks/latency_proxy.py --upstream 127.0.0.1:5000 \
+      --listen 127.0.0.1:0 --latency-ms 10 [--bandwidth-mbps N]
+prints ``port=<port>`` and ``endpoint_url=...`` and runs until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import random
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+
+CHUNK = 256 * 1024
+FAULT_KINDS = ("503", "500", "reset", "hang")
+HTTP_METHODS = (b"GET ", b"PUT ", b"POST ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ")
+_EOF = None  # queue sentinel: the client closed its sending side
+
+_ERRORS = {
+    "503": ("503 Slow Down", "SlowDown", "Please reduce your request rate."),
+    "500": ("500 Internal Server Error", "InternalError",
+            "We encountered an internal error. Please try again."),
+}
+
+
+def error_response(kind: str) -> bytes:
+    """A complete S3-style HTTP error answer for fault ``kind`` ("503" or "500")."""
+    status, code, message = _ERRORS[kind]
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>{message}</Message>"
+        "<RequestId>latency-proxy</RequestId></Error>"
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status}\r\n"
+        "Content-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "x-amz-request-id: latency-proxy\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+def is_request_start(chunk: bytes) -> bool:
+    return chunk.startswith(HTTP_METHODS)
+
+
+def is_final_response(chunk: bytes) -> bool:
+    """False for interim ``HTTP/1.x 1xx`` answers such as ``100 Continue``."""
+    return not (chunk.startswith(b"HTTP/1.") and chunk[9:10] == b"1")
+
+
+class Bandwidth:
+    """A token bucket shared by all connections; lives on the proxy's event loop."""
+
+    def __init__(self, bytes_per_s: float | None):
+        self.rate = bytes_per_s
+        self._next_free = 0.0
+
+    async def take(self, n: int) -> None:
+        if not self.rate:
+            return
+        now = time.monotonic()
+        start = max(now, self._next_free)
+        self._next_free = start + n / self.rate
+        await asyncio.sleep(self._next_free - now)
+
+
+class FaultPlan:
+    """Faults and counters shared between the caller's thread and the proxy's loop."""
+
+    def __init__(self, seed: int = 0):
+        self._lock = threading.Lock()
+        self._queue: collections.deque[str] = collections.deque()
+        self._straggle = (0.0, 0.0)
+        self._rng = random.Random(seed)
+        self.requests = 0
+        self.faults = collections.Counter()
+        self.stragglers = 0
+
+    def fail_next(self, n: int, kind: str) -> None:
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, not {kind!r}")
+        with self._lock:
+            self._queue.extend([kind] * n)
+
+    def set_stragglers(self, fraction: float, delay: float) -> None:
+        with self._lock:
+            self._straggle = (fraction, delay)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._queue.clear()
+            self._straggle = (0.0, 0.0)
+
+    def on_request(self) -> tuple[str | None, float]:
+        """Count one request; return (fault kind or None, extra delay in seconds)."""
+        with self._lock:
+            self.requests += 1
+            if self._queue:
+                kind = self._queue.popleft()
+                self.faults[kind] += 1
+                return kind, 0.0
+            fraction, delay = self._straggle
+            if fraction and self._rng.random() < fraction:
+                self.stragglers += 1
+                return None, delay
+            return None, 0.0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "requests": self.requests,
+                "faults": dict(self.faults),
+                "faults_total": sum(self.faults.values()),
+                "stragglers": self.stragglers,
+                "pending_faults": len(self._queue),
+            }
+
+
+def abort_with_rst(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    writer.transport.abort()
+
+
+class Connection:
+    """One client connection and its upstream connection, in three tasks.
+
+    ``_read_client`` stamps chunks into ``_queue``; ``_forward`` releases each at
+    its due time (and injects faults at request starts); ``_pump_upstream``
+    copies answers back under the shared bandwidth cap.
+    """
+
+    def __init__(self, proxy: _ProxyLoop, reader, writer):
+        self.proxy = proxy
+        self.c_reader, self.c_writer = reader, writer
+        self.u_reader = self.u_writer = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._at_boundary = True
+        self._mode = "forward"   # forward | hang | answered | reset
+
+    async def run(self) -> None:
+        try:
+            self.u_reader, self.u_writer = await asyncio.open_connection(*self.proxy.upstream)
+        except OSError:
+            abort_with_rst(self.c_writer)
+            return
+        tasks = [asyncio.ensure_future(c) for c in
+                 (self._read_client(), self._forward(), self._pump_upstream())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.close()
+
+    def close(self) -> None:
+        for writer in (self.u_writer, self.c_writer):
+            if writer is not None and not writer.is_closing():
+                writer.close()
+
+    def drop(self) -> None:
+        """Called by refuse(): end this connection abruptly."""
+        self._mode = "reset"
+        abort_with_rst(self.c_writer)
+        if self.u_writer is not None:
+            self.u_writer.transport.abort()
+
+    async def _read_client(self) -> None:
+        latency = self.proxy.latency
+        try:
+            while chunk := await self.c_reader.read(CHUNK):
+                self._queue.put_nowait((time.monotonic() + latency, chunk))
+        except OSError:
+            pass
+        self._queue.put_nowait((time.monotonic() + latency, _EOF))
+
+    async def _forward(self) -> None:
+        while True:
+            due, chunk = await self._queue.get()
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if chunk is _EOF:
+                return self._client_done()
+            if self._mode != "forward":
+                continue   # hung, answered or reset: swallow the rest
+            if self._at_boundary and is_request_start(chunk):
+                self._at_boundary = False
+                if not await self._start_request():
+                    continue
+            await self._send_upstream(chunk)
+
+    async def _start_request(self) -> bool:
+        """Apply the fault plan to a new request; True if it should be forwarded."""
+        kind, extra = self.proxy.faults.on_request()
+        if extra:
+            await asyncio.sleep(extra)
+        if kind is None:
+            return True
+        self.u_writer.transport.abort()
+        if kind == "reset":
+            self._mode = "reset"
+            abort_with_rst(self.c_writer)
+        elif kind == "hang":
+            self._mode = "hang"
+        else:
+            self._mode = "answered"
+            self.c_writer.write(error_response(kind))
+            try:
+                await self.c_writer.drain()
+            except OSError:
+                pass
+            self.c_writer.transport.write_eof()
+        return False
+
+    async def _send_upstream(self, chunk: bytes) -> None:
+        try:
+            self.u_writer.write(chunk)
+            await self.u_writer.drain()
+        except OSError:
+            abort_with_rst(self.c_writer)
+            self._mode = "reset"
+
+    def _client_done(self) -> None:
+        if self._mode == "forward" and self.u_writer.can_write_eof():
+            try:
+                self.u_writer.write_eof()
+            except OSError:
+                pass
+        else:
+            self.c_writer.close()
+
+    async def _pump_upstream(self) -> None:
+        try:
+            while chunk := await self.u_reader.read(CHUNK):
+                if self._mode != "forward":
+                    break
+                if is_final_response(chunk):
+                    self._at_boundary = True
+                await self.proxy.bandwidth.take(len(chunk))
+                self.c_writer.write(chunk)
+                await self.c_writer.drain()
+        except OSError:
+            pass
+        if self._mode == "forward":
+            self.c_writer.close()   # upstream finished: so do we
+
+
+class _ProxyLoop:
+    """Everything that lives on the proxy's own event loop."""
+
+    def __init__(self, upstream, latency, bandwidth, faults):
+        self.upstream = upstream
+        self.latency = latency
+        self.bandwidth = Bandwidth(bandwidth)
+        self.faults = faults
+        self.connections: set[Connection] = set()
+        self.refuse_mode: str | None = None   # None | "close" | "stop"
+        self.accepted = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def listen(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(
+            self._accept, host, port, reuse_address=True, backlog=512)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _accept(self, reader, writer) -> None:
+        self.accepted += 1
+        if self.refuse_mode is not None:
+            abort_with_rst(writer)
+            return
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(self, reader, writer)
+        self.connections.add(conn)
+        try:
+            await conn.run()
+        except asyncio.CancelledError:
+            pass   # shutdown; asyncio's accept callback would log a cancelled task
+        finally:
+            self.connections.discard(conn)
+
+    async def set_refuse(self, mode: str | None, host: str, port: int, drop: bool) -> None:
+        self.refuse_mode = mode
+        if mode is not None and drop:
+            for conn in list(self.connections):
+                conn.drop()
+        if mode == "stop" and self.server is not None:
+            self.server.close()
+            self.server = None
+        if mode is None and self.server is None:
+            await self.listen(host, port)
+
+    async def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for conn in list(self.connections):
+            conn.drop()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class LatencyProxy:
+    """A latency/bandwidth/fault-injecting TCP proxy running in a background thread.
+
+    >>> with LatencyProxy("127.0.0.1", 5000, latency=0.010) as proxy:
+    ...     s3 = boto3.client("s3", endpoint_url=proxy.endpoint_url)
+    """
+
+    def __init__(self, upstream_host: str, upstream_port: int, *, latency: float = 0.010,
+                 bandwidth: float | None = None, listen_host: str = "127.0.0.1",
+                 listen_port: int = 0, seed: int = 0):
+        self.listen_host = listen_host
+        self.faults = FaultPlan(seed)
+        self._inner = _ProxyLoop((upstream_host, upstream_port), latency, bandwidth, self.faults)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="latency-proxy", daemon=True)
+        self._thread.start()
+        self.port = self._call(self._inner.listen(listen_host, listen_port))
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.listen_host}:{self.port}"
+
+    def _call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def fail_next(self, n: int, kind: str) -> None:
+        """Inject fault ``kind`` ("503", "500", "reset", "hang") into the next n requests."""
+        self.faults.fail_next(n, kind)
+
+    def stragglers(self, fraction: float, delay: float) -> None:
+        """Delay that fraction of requests by ``delay`` extra seconds (0 turns it off)."""
+        self.faults.set_stragglers(fraction, delay)
+
+    def clear_faults(self) -> None:
+        self.faults.clear()
+
+    def refuse(self, on: bool = True, *, mode: str = "stop", drop_existing: bool = True) -> None:
+        """Make the store unreachable: ``mode`` "stop" (ECONNREFUSED) or "close" (accept, RST)."""
+        if mode not in ("stop", "close"):
+            raise ValueError("mode must be 'stop' or 'close'")
+        self._call(self._inner.set_refuse(mode if on else None, self.listen_host,
+                                          self.port, drop_existing))
+
+    def set_latency(self, latency: float) -> None:
+        """Change the one-way delay for chunks that arrive from now on."""
+        self._inner.latency = latency
+
+    def stats(self) -> dict:
+        stats = self.faults.snapshot()
+        stats["connections_accepted"] = self._inner.accepted
+        stats["connections_open"] = len(self._inner.connections)
+        return stats
+
+    def close(self) -> None:
+        if not self._loop.is_running():
+            return
+        try:
+            self._call(self._inner.shutdown(), timeout=5.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5.0)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self) -> LatencyProxy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--upstream", required=True, help="HOST:PORT of the S3 server")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 = any)")
+    parser.add_argument("--latency-ms", type=float, default=10.0)
+    parser.add_argument("--bandwidth-mbps", type=float, default=None,
+                        help="server->client cap in megabytes (10^6 B) per second")
+    args = parser.parse_args(argv)
+    up_host, up_port = parse_hostport(args.upstream)
+    host, port = parse_hostport(args.listen)
+    bandwidth = args.bandwidth_mbps * 1e6 if args.bandwidth_mbps else None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with LatencyProxy(up_host, up_port, latency=args.latency_ms / 1000, bandwidth=bandwidth,
+                      listen_host=host, listen_port=port) as proxy:
+        print(f"port={proxy.port}\nendpoint_url={proxy.endpoint_url}", flush=True)
+        while not stop.wait(1.0):
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The read path: kernel page cache aside, a block is served by the memory tier,
+then the disk tier, then one (single-flight) ranged GET from the object store.
+
+All state lives in the trio thread; only the HTTP call runs in a worker thread
+under a CapacityLimiter (foreground reads and readahead have separate ones, so
+a prefetch never queues a reader). Disk-tier hits are served inline with
+``os.pread`` (no thread hop). Sequential readers get a readahead window that
+doubles while they stay sequential; a prefetch that cannot start at once is
+dropped and counted, never queued.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from .block_key import BlockKey
+from .disk_tier import DiskTier
+from .errors import StoreError, VersionChanged
+from .memory_tier import MemoryTier
+from .metrics import Metrics
+from .singleflight import SingleFlight
+from .store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FileVersion:
+    """One object version as a handle pinned it at open (DESIGN invariant 1)."""
+
+    path: str
+    etag: str
+    size: int
+
+
+class Stream:
+    """Per-handle sequential-access state that drives readahead."""
+
+    __slots__ = ("next_offset", "window")
+
+    def __init__(self) -> None:
+        self.next_offset = 0
+        self.window = 0
+
+    def advance(self, offset: int, end: int, block_size: int, max_window: int) -> int:
+        """Record a read of [offset, end); return the readahead window in bytes (0: none)."""
+        if offset == self.next_offset and offset > 0:
+            self.window = min(max(self.window * 2, block_size), max_window)
+        elif offset != self.next_offset:
+            self.window = 0
+        self.next_offset = end
+        return self.window
+
+
+class BlockCache:
+    def __init__(self, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
+                 block_size: int, readahead_size: int, max_fetches: int, max_prefetches: int) -> None:
+        self.store = store
+        self.memory = memory
+        self.disk = disk
+        self.metrics = metrics
+        self.block_size = block_size
+        self.readahead_size = readahead_size
+        self._fetch_limiter = trio.CapacityLimiter(max_fetches)
+        self._prefetch_slots = max_prefetches
+        self._prefetching = 0
+        self._flights = SingleFlight()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the nursery in which readahead runs, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def key(self, f: FileVersion, index: int) -> BlockKey:
+        return BlockKey(self.store.identity, f.path, f.etag, self.block_size, index)
+
+    async def read(self, f: FileVersion, offset: int, size: int, stream: Stream | None = None) -> bytes:
+        """Bytes [offset, offset+size) of ``f``, clipped at its end."""
+        end = min(offset + size, f.size)
+        if offset >= end:
+            return b""
+        bs = self.block_size
+        parts = []
+        for index in range(offset // bs, (end - 1) // bs + 1):
+            base = index * bs
+            lo, hi = max(offset, base) - base, min(end, base + bs) - base
+            parts.append(await self._read_block(f, index, lo, hi))
+        if stream is not None:
+            window = stream.advance(offset, end, bs, self.readahead_size)
+            if window:
+                self._readahead(f, end, window)
+        self.metrics.read_bytes.inc(end - offset)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _read_block(self, f: FileVersion, index: int, lo: int, hi: int) -> bytes:
+        key = self.key(f, index)
+        data = self.memory.get(key)
+        if data is not None:
+            return data[lo:hi] if (lo, hi) != (0, len(data)) else data
+        if self.disk is not None:
+            got = self.disk.read(key, lo, hi - lo)
+            if got is not None and len(got) == hi - lo:
+                return got
+        data = await self._flights.do(key, lambda: self._fetch(f, key))
+        return data[lo:hi] if (lo, hi) != (0, len(data)) else data
+
+    async def _fetch(self, f: FileVersion, key: BlockKey) -> bytes:
+        start = key.offset
+        end = min(start + self.block_size, f.size)
+        try:
+            data = await trio.to_thread.run_sync(
+                self.store.get, f.path, start, end, f.etag, f.size, limiter=self._fetch_limiter)
+        except VersionChanged:
+            log.info("%s changed in the store while open (pinned ETag %s)", f.path, f.etag)
+            raise
+        except StoreError as exc:
+            log.error("read of %s bytes %d-%d failed: %s", f.path, start, end, exc)
+            raise
+        self.memory.put(key, data)
+        if self.disk is not None:
+            self.disk.start_fill(key, data)
+        return data
+
+    def is_cached(self, key: BlockKey) -> bool:
+        return (self.memory.contains(key)
+                or (self.disk is not None and self.disk.contains(key))
+                or self._flights.in_flight(key))
+
+    def _readahead(self, f: FileVersion, start: int, window: int) -> None:
+        """Start background fetches for the blocks in [start, start+window); drop when busy."""
+        if self._nursery is None or start >= f.size:
+            return
+        bs = self.block_size
+        last = (min(start + window, f.size) - 1) // bs
+        for index in range(start // bs, last + 1):
+            key = self.key(f, index)
+            if self.is_cached(key):
+                continue
+            if self._prefetching >= self._prefetch_slots:
+                self.metrics.dropped_fills.labels("readahead", "queue_full").inc()
+                return
+            self._prefetching += 1
+            self._nursery.start_soon(self._prefetch, f, key)
+
+    async def _prefetch(self, f: FileVersion, key: BlockKey) -> None:
+        try:
+            await self._flights.do(key, lambda: self._fetch(f, key))
+            self.metrics.readahead_blocks.inc()
+        except StoreError:
+            pass  # the foreground read will retry and report
+        finally:
+            self._prefetching -= 1

@@ -1,0 +1,27 @@
+"""The identity of a cached block, and the one place its on-disk name is derived.
+
+A block is keyed by (store identity, object path, ETag, block size, block index)
+(DESIGN invariant 1): a new object version or another block size never
+shares a cache entry with an old one.
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    store: str        # ObjectStore.identity: scheme, endpoint, bucket, root prefix
+    path: str         # object path relative to the mount root, "/"-separated, no leading "/"
+    etag: str         # the version the reader pinned
+    block_size: int
+    index: int
+
+    @property
+    def offset(self) -> int:
+        return self.index * self.block_size
+
+    def digest(self) -> str:
+        """Hex name of this block in the disk tier (stable across releases)."""
+        raw = "\0".join((self.store, self.path, self.etag, str(self.block_size), str(self.index)))
+        return hashlib.blake2b(raw.encode("utf-8", "surrogateescape"), digest_size=20).hexdigest()

@@ -1,0 +1,268 @@
+"""The `cachefs` command. Thin: parse, build a config, call the engine, map errors to exit codes."""
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from . import __version__
+from .config import MountConfig, build_config, load_toml, option_fields, to_dict
+from .errors import CachefsError, ExitCode, MountpointError, StartTimeout, UsageError
+
+log = logging.getLogger("cachefs")
+
+EXIT_CODES = """exit codes:
+  0 success            1 internal error (see the log)   2 bad arguments or config
+  3 bucket/prefix not found   4 credentials refused       5 object store unreachable
+  6 mountpoint missing, busy or not mounted               7 /dev/fuse or fusermount3 missing
+  8 cache dir unwritable or full   9 no daemon at that mountpoint   10 mount not ready in time"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(ExitCode.USAGE, f"cachefs: error: {message}\n")
+
+
+# ---- mount ---------------------------------------------------------------------------------------
+def _human(value) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20:
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20)):
+            if value % (1 << shift) == 0:
+                return f"{value >> shift}{unit}"
+    return str(value)
+
+
+def _add_mount_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help=MountConfig.__dataclass_fields__["url"].metadata["help"])
+    parser.add_argument("mountpoint", help="an existing directory to mount on")
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file with any of the options below "
+                        "(same names, with _ or -); flags override it")
+    for f in option_fields():
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.metadata.get("mode"):
+            default = f"{default:04o}"
+        text = f"{f.metadata['help']} (default: {_human(default)})"
+        if "bool" in str(f.type):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=text)
+        else:
+            parser.add_argument(flag, default=argparse.SUPPRESS, metavar=f.name.upper(), help=text)
+
+
+def config_from_args(args: argparse.Namespace) -> MountConfig:
+    values = load_toml(args.config) if args.config else {}
+    values.update({f.name: getattr(args, f.name) for f in option_fields() if hasattr(args, f.name)})
+    values["url"], values["mountpoint"] = args.url, args.mountpoint
+    return build_config(values)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if cfg.foreground:
+        from .daemon import serve
+        _setup_logging(cfg, to_stderr=True)
+        serve(cfg, lambda: print(f"cachefs: mounted {cfg.url} at {cfg.mountpoint}", file=sys.stderr))
+        return 0
+    return _spawn_daemon(cfg)
+
+
+def _spawn_daemon(cfg: MountConfig) -> int:
+    """Start the daemon in its own session and wait until it says ready or fails."""
+    try:
+        os.makedirs(os.path.dirname(cfg.log_path), exist_ok=True)
+        logfile = open(cfg.log_path, "ab")
+    except OSError as exc:
+        from .errors import CacheDirError
+        raise CacheDirError(f"cannot open log file {cfg.log_path}: {exc.strerror}") from None
+    ready_r, ready_w = os.pipe()
+    child = subprocess.Popen([sys.executable, "-m", "cachefs", "_daemon", str(ready_w)],
+                             stdin=subprocess.PIPE, stdout=logfile, stderr=logfile, pass_fds=(ready_w,),
+                             start_new_session=True, close_fds=True)
+    os.close(ready_w)
+    logfile.close()
+    child.stdin.write(json.dumps(to_dict(cfg)).encode())
+    child.stdin.close()
+    line = _read_ready(ready_r, child, cfg.ready_timeout)
+    if line.startswith("OK"):
+        print(f"cachefs: mounted {cfg.url} at {cfg.mountpoint} (pid {child.pid}, log {cfg.log_path})",
+              file=sys.stderr)
+        return 0
+    if line.startswith("ERR "):
+        code, _, message = line[4:].partition(" ")
+        print(f"cachefs: error: {message}", file=sys.stderr)
+        return int(code)
+    raise CachefsError(f"the daemon exited (status {child.returncode}) before the mount was ready; "
+                       f"see {cfg.log_path}")
+
+
+def _read_ready(fd: int, child: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    data = b""
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while b"\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                child.kill()
+                child.wait()
+                raise StartTimeout(f"the daemon was not ready within {timeout:.0f} s; it was stopped")
+            if select.select([pipe], [], [], min(left, 0.5))[0]:
+                chunk = pipe.read(4096)
+                if not chunk:
+                    child.wait()
+                    break
+                data += chunk
+    return data.decode(errors="replace").strip()
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    """Internal: the daemon process started by `mount` (config on stdin, ready line on a pipe)."""
+    ready = os.fdopen(int(args.ready_fd), "w")
+    try:
+        cfg = build_config(json.loads(sys.stdin.read()))
+        _setup_logging(cfg, to_stderr=False)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        from .daemon import serve
+
+        def on_ready() -> None:
+            ready.write("OK\n")
+            ready.close()
+
+        serve(cfg, on_ready)
+        return 0
+    except CachefsError as exc:
+        log.error("%s", exc)
+        if not ready.closed:
+            ready.write(f"ERR {exc.exit_code} {exc}\n")
+            ready.close()
+        return exc.exit_code
+    except BaseException:
+        log.exception("daemon failed")
+        if not ready.closed:
+            ready.write(f"ERR {ExitCode.INTERNAL} internal error; see the log\n")
+            ready.close()
+        raise
+
+
+def _setup_logging(cfg: MountConfig, *, to_stderr: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr) if to_stderr else logging.FileHandler(cfg.log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(cfg.log_level.upper())
+    # botocore's debug log carries Authorization headers: never below WARNING, even at debug.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "pyfuse3", "fsspec"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+# ---- umount, status ----------------------------------------------------------------------------------
+def cmd_umount(args: argparse.Namespace) -> int:
+    from .control_client import request
+    from .daemon import find_mount
+
+    mountpoint = os.path.abspath(args.mountpoint)
+    entry = find_mount(mountpoint)
+    if entry is None or not entry[1].startswith("fuse"):
+        raise MountpointError(f"{mountpoint} is not a mounted cachefs filesystem")
+    pid = None
+    try:
+        pid = next(request(mountpoint, "status"))["pid"]
+    except (CachefsError, StopIteration, KeyError):
+        pass   # a dead daemon leaves a stale mount: unmount it all the same
+    command = ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [mountpoint]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
+        raise MountpointError(f"cannot unmount {mountpoint}: {reason}"
+                              + ("" if args.lazy else " (close open files, or use --lazy)"))
+    if pid is not None and not _wait_exit(pid, args.timeout):
+        print(f"cachefs: warning: daemon pid {pid} still running after {args.timeout:.0f} s", file=sys.stderr)
+    print(f"cachefs: unmounted {mountpoint}", file=sys.stderr)
+    return 0
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .control_client import request
+    from .status_view import render
+
+    status = next(request(os.path.abspath(args.mountpoint), "status"))
+    if "error" in status:
+        raise CachefsError(status["error"])
+    print(json.dumps(status, indent=2) if args.json else render(status))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+    return run_demo(files=args.files, large_size=args.large_size, workdir=args.workdir)
+
+
+# ---- parser ------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cachefs", description="A caching FUSE filesystem for ML datasets on S3 / Ceph RGW.",
+                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                metavar="{mount,umount,status,demo}")
+
+    mount = sub.add_parser("mount", help="mount a bucket prefix with a memory and a disk cache tier",
+                           epilog=EXIT_CODES + "\n\nCredentials come from the standard AWS chain "
+                           "(AWS_ACCESS_KEY_ID/..., AWS_PROFILE, ~/.aws/credentials), never from flags.",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_mount_options(mount)
+    mount.set_defaults(func=cmd_mount)
+
+    umount = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
+    umount.add_argument("mountpoint")
+    umount.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    umount.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon to exit")
+    umount.set_defaults(func=cmd_umount)
+
+    status = sub.add_parser("status", help="tier usage and hit ratios of a running mount")
+    status.add_argument("mountpoint")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=cmd_status)
+
+    demo = sub.add_parser("demo", help="end-to-end demo on a local S3 server with a sample dataset")
+    demo.add_argument("--files", type=int, default=2000, help="small files in the sample dataset")
+    demo.add_argument("--large-size", default="256M", help="size of the one large file")
+    demo.add_argument("--workdir", default=None, help="where to put the mount and cache (default: a temp dir)")
+    demo.set_defaults(func=cmd_demo)
+
+    daemon = sub.add_parser("_daemon")
+    daemon.add_argument("ready_fd")
+    daemon.set_defaults(func=cmd_daemon)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except UsageError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except CachefsError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT

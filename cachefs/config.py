@@ -1,0 +1,201 @@
+"""Mount configuration: one frozen dataclass, loaded from defaults < TOML file < flags.
+
+Every option has a TOML key of the same name and a flag ``--name-with-dashes``;
+``cachefs mount --help`` and the README list them all. Sizes accept suffixes
+(``512M``, ``50G``, ``1.5T``; powers of 1024). Secrets are not options: S3
+credentials come from the standard AWS chain (environment, profile, files).
+"""
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+
+def parse_size(value: str | int, name: str = "size") -> int:
+    """'50G' -> 53687091200. Integers are bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size such as 512M or 50G, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ConfigError(f"{name}: expected a size such as 512M or 50G, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_mode(value: str | int, name: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        return int(str(value), 8)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an octal mode such as 0644, got {value!r}") from None
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cachefs")
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    """Everything a daemon needs. ``help`` metadata feeds the CLI and the README table."""
+
+    url: str = field(metadata={"help": "dataset URL: s3://BUCKET[/PREFIX], file:///DIR, memory://..."})
+    mountpoint: str = field(metadata={"help": "an existing empty directory"})
+    endpoint_url: str | None = field(default=None, metadata={
+        "help": "S3 endpoint (Ceph RGW, MinIO, a local server); default AWS"})
+    region: str | None = field(default=None, metadata={"help": "S3 region (default from the AWS chain)"})
+    profile: str | None = field(default=None, metadata={"help": "AWS profile name in the credentials file"})
+    cache_dir: str = field(default_factory=default_cache_dir, metadata={
+        "help": "disk-tier directory (local NVMe); also holds the listing snapshot and the log"})
+    cache_size: int = field(default=50 << 30, metadata={"help": "disk-tier capacity", "size": True})
+    free_space_ratio: float = field(default=0.1, metadata={
+        "help": "keep at least this fraction of the cache filesystem free"})
+    mem_cache_size: int = field(default=1 << 30, metadata={
+        "help": "memory-tier budget (blocks and readahead)", "size": True})
+    block_size: int = field(default=4 << 20, metadata={"help": "cache block size", "size": True})
+    metadata_ttl: float = field(default=60.0, metadata={
+        "help": "seconds before listings and attributes are revalidated with the store"})
+    immutable: bool = field(default=False, metadata={
+        "help": "the dataset never changes: long kernel timeouts, no revalidation"})
+    readahead_size: int = field(default=32 << 20, metadata={
+        "help": "largest readahead window of a sequential reader", "size": True})
+    max_fetches: int = field(default=32, metadata={"help": "concurrent object-store GETs for reads"})
+    max_prefetches: int = field(default=8, metadata={"help": "concurrent readahead GETs"})
+    max_connections: int = field(default=64, metadata={"help": "HTTP connection pool size"})
+    connect_timeout: float = field(default=5.0, metadata={"help": "seconds to connect to the store"})
+    read_timeout: float = field(default=30.0, metadata={"help": "seconds to wait for store data"})
+    max_attempts: int = field(default=5, metadata={"help": "tries per store request (5xx, throttling)"})
+    fsync_cache_files: bool = field(default=True, metadata={
+        "help": "fsync disk-tier files before renaming them into place"})
+    fill_workers: int = field(default=4, metadata={"help": "threads writing the disk tier"})
+    allow_other: bool = field(default=False, metadata={"help": "let other users (pods) access the mount"})
+    uid: int | None = field(default=None, metadata={"help": "owner of all files (default: the mounter)"})
+    gid: int | None = field(default=None, metadata={"help": "group of all files (default: the mounter)"})
+    file_mode: int = field(default=0o644, metadata={"help": "permission bits of files", "mode": True})
+    dir_mode: int = field(default=0o755, metadata={"help": "permission bits of directories", "mode": True})
+    fuse_read_ahead_kb: int = field(default=1024, metadata={
+        "help": "kernel readahead of the mount (sysfs bdi read_ahead_kb)"})
+    fuse_max_background: int = field(default=64, metadata={
+        "help": "kernel FUSE max_background (concurrent async requests)"})
+    metrics_port: int = field(default=9567, metadata={
+        "help": "Prometheus port on metrics_host (next free one if taken); 0 disables"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus listen address"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    log_file: str | None = field(default=None, metadata={
+        "help": "log file (default CACHE_DIR/cachefs.log; stderr with --foreground)"})
+    foreground: bool = field(default=False, metadata={"help": "stay in the foreground, log to stderr"})
+    ready_timeout: float = field(default=60.0, metadata={
+        "help": "seconds `mount` waits for the daemon to be ready"})
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def log_path(self) -> str:
+        return self.log_file or os.path.join(self.cache_dir, "cachefs.log")
+
+
+def option_fields() -> list[dataclasses.Field]:
+    """The user-settable options, in declaration order."""
+    return [f for f in dataclasses.fields(MountConfig) if f.name not in ("url", "mountpoint")]
+
+
+def _validate(cfg: MountConfig) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(cfg.cache_size > 0, "cache_size must be positive")
+    need(0.0 <= cfg.free_space_ratio < 1.0, "free_space_ratio must be in [0, 1)")
+    need(cfg.mem_cache_size >= 2 * cfg.block_size,
+         "mem_cache_size must hold at least two blocks (2 x block_size)")
+    need(64 << 10 <= cfg.block_size <= 64 << 20 and cfg.block_size % 4096 == 0,
+         "block_size must be a multiple of 4K between 64K and 64M")
+    need(cfg.metadata_ttl >= 0, "metadata_ttl must be >= 0")
+    for name in ("max_fetches", "max_prefetches", "max_connections", "max_attempts", "fill_workers",
+                 "fuse_read_ahead_kb", "fuse_max_background"):
+        need(getattr(cfg, name) >= 1, f"{name} must be >= 1")
+    need(cfg.connect_timeout > 0 and cfg.read_timeout > 0, "timeouts must be positive")
+    need(0 <= cfg.metrics_port < 65536, "metrics_port must be in 0..65535")
+    need(cfg.log_level.lower() in ("debug", "info", "warning", "error"),
+         "log_level must be debug, info, warning or error")
+    need(0 <= cfg.file_mode <= 0o7777 and 0 <= cfg.dir_mode <= 0o7777, "modes must be in 0000..7777")
+    need(bool(cfg.mountpoint), "a mountpoint is required")
+
+
+def _coerce(f: dataclasses.Field, value):
+    """Turn a TOML or CLI value into the field's type, with a one-line error."""
+    name = f.name
+    if value is None:
+        return None
+    if f.metadata.get("size"):
+        return parse_size(value, name)
+    if f.metadata.get("mode"):
+        return parse_mode(value, name)
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind.startswith("float"):
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {kind.split(' ')[0]}, got {value!r}") from None
+
+
+def load_toml(path: str) -> dict:
+    """Read a config file into a dict of raw option values (keys may use - or _)."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def build_config(values: dict) -> MountConfig:
+    """Build a MountConfig from raw values (TOML merged with flags), validating each."""
+    known = {f.name: f for f in dataclasses.fields(MountConfig)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
+    for name in ("url", "mountpoint"):
+        if not values.get(name):
+            raise ConfigError(f"missing {name}")
+    kwargs = {name: _coerce(known[name], value) for name, value in values.items()}
+    if kwargs.get("cache_dir"):
+        kwargs["cache_dir"] = str(Path(kwargs["cache_dir"]).expanduser().absolute())
+    kwargs["mountpoint"] = str(Path(kwargs["mountpoint"]).expanduser().absolute())
+    return MountConfig(**kwargs)
+
+
+def to_dict(cfg: MountConfig) -> dict:
+    return dataclasses.asdict(cfg)

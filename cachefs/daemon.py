@@ -1,0 +1,258 @@
+"""Daemon wiring: preflight checks, the tiers, the vfs, the FUSE session, metrics.
+
+``serve(cfg, on_ready)`` runs one mount until it is unmounted or signalled.
+``on_ready(None)`` is called once the kernel mount answers; a failure before
+that raises a ``CachefsError`` and leaves nothing mounted. Start-up order is
+torn down in reverse by the nursery and the ``finally`` clauses.
+"""
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pyfuse3
+import trio
+
+from . import __version__
+from .block_cache import BlockCache
+from .config import MountConfig
+from .control import Control
+from .disk_tier import DiskTier
+from .errors import CacheDirError, FuseUnavailable, MountpointError
+from .fuse_ops import Operations
+from .listing_snapshot import ListingSnapshot
+from .memory_tier import MemoryTier
+from .metrics import Exporter, Metrics
+from .store import ObjectStore, open_store
+from .vfs import Vfs
+
+log = logging.getLogger(__name__)
+
+
+# ---- preflight --------------------------------------------------------------------------------
+def check_fuse() -> None:
+    if not os.path.exists("/dev/fuse"):
+        raise FuseUnavailable("/dev/fuse is missing: load the fuse module or pass the device to the container")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise FuseUnavailable("/dev/fuse is not readable and writable by this user")
+    if os.getuid() != 0 and shutil.which("fusermount3") is None:
+        raise FuseUnavailable("fusermount3 is missing: install the fuse3 package")
+
+
+def check_mountpoint(path: str) -> None:
+    if not os.path.exists(path):
+        raise MountpointError(f"mountpoint {path} does not exist")
+    if not os.path.isdir(path):
+        raise MountpointError(f"mountpoint {path} is not a directory")
+    if os.path.ismount(path) or _mount_source(path) is not None:
+        raise MountpointError(f"mountpoint {path} is busy: something is already mounted there")
+
+
+def _mount_source(path: str) -> str | None:
+    """The filesystem type mounted at ``path`` per /proc/self/mountinfo, or None."""
+    entry = find_mount(path)
+    return entry[1] if entry else None
+
+
+def find_mount(path: str) -> tuple[str, str] | None:
+    """(major:minor, fstype) of the mount at ``path``, read without touching the mount itself."""
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        fields = line.split()
+        sep = fields.index("-")
+        if _unescape(fields[4]) == path:
+            found = (fields[2], fields[sep + 1])   # the last one mounted there wins
+    return found
+
+
+def _unescape(field: str) -> str:
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+class CacheDirLock:
+    """One daemon per cache dir: an exclusive flock held for the daemon's life."""
+
+    def __init__(self, cache_dir: str) -> None:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            self._fd = os.open(os.path.join(cache_dir, "cachefs.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise CacheDirError(f"cache dir {cache_dir}: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise CacheDirError(f"cache dir {cache_dir} is in use by another cachefs daemon (pid {holder})")
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def tune_kernel(mountpoint: str, read_ahead_kb: int, max_background: int) -> None:
+    """Raise the FUSE bdi readahead and the connection's max_background (DESIGN §3)."""
+    entry = find_mount(mountpoint)
+    if entry is None:
+        log.info("cannot find %s in mountinfo; kernel tuning skipped", mountpoint)
+        return
+    major, minor = (int(x) for x in entry[0].split(":"))
+    conn = os.makedev(major, minor)
+    if not os.path.isdir("/sys/fs/fuse/connections") or not os.listdir("/sys/fs/fuse/connections"):
+        with contextlib.suppress(OSError):
+            os.system("mount -t fusectl none /sys/fs/fuse/connections 2>/dev/null")
+    writes = {f"/sys/class/bdi/{major}:{minor}/read_ahead_kb": read_ahead_kb,
+              f"/sys/fs/fuse/connections/{conn}/max_background": max_background,
+              f"/sys/fs/fuse/connections/{conn}/congestion_threshold": max(1, max_background * 3 // 4)}
+    for path, value in writes.items():
+        try:
+            with open(path, "w") as fh:
+                fh.write(str(value))
+        except OSError as exc:
+            log.info("kernel tuning: cannot write %s (%s)", path, exc.strerror)
+
+
+# ---- the daemon ---------------------------------------------------------------------------------
+class Daemon:
+    """The parts of one mount, built in order; ``status()`` feeds the control file."""
+
+    def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.metrics = metrics
+        self.started = time.time()
+        self.exporter: Exporter | None = None
+        self.disk = DiskTier(os.path.join(cfg.cache_dir, "blocks"), capacity=cfg.cache_size,
+                             free_space_ratio=cfg.free_space_ratio, metrics=metrics,
+                             fsync=cfg.fsync_cache_files, fill_workers=cfg.fill_workers,
+                             max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20))
+        self.memory = MemoryTier(cfg.mem_cache_size, metrics)
+        self.blocks = BlockCache(store, self.memory, self.disk, metrics, block_size=cfg.block_size,
+                                 readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
+                                 max_prefetches=cfg.max_prefetches)
+        try:
+            snapshot = ListingSnapshot(cfg.cache_dir, store.identity)
+        except (OSError, sqlite3.Error) as exc:
+            raise CacheDirError(f"cache dir {cfg.cache_dir}: cannot write the listing snapshot ({exc})") from None
+        self.vfs = Vfs(store, self.blocks, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable)
+        self.control = Control(self.vfs.new_fh)
+        self.control.register("status", self._status_command)
+        uid = os.getuid() if cfg.uid is None else cfg.uid
+        gid = os.getgid() if cfg.gid is None else cfg.gid
+        self.ops = Operations(self.vfs, self.control, metrics, uid=uid, gid=gid, file_mode=cfg.file_mode,
+                              dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable)
+
+    def status(self) -> dict:
+        m = self.metrics
+        tiers = {}
+        for tier in ("memory", "disk"):
+            hits = m.counter_value("cachefs_tier_hits_total", tier=tier)
+            misses = m.counter_value("cachefs_tier_misses_total", tier=tier)
+            tiers[tier] = {"hits": int(hits), "misses": int(misses),
+                           "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
+                           "hit_bytes": int(m.counter_value("cachefs_tier_hit_bytes_total", tier=tier))}
+        tiers["memory"].update(used_bytes=self.memory.used, capacity_bytes=self.memory.capacity,
+                               blocks=len(self.memory))
+        tiers["disk"].update(self.disk.stats())
+        requests = {}
+        for metric in m.store_requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    key = f"{sample.labels['op']} {sample.labels['status']}"
+                    requests[key] = int(sample.value)
+        return {"version": __version__, "pid": os.getpid(), "url": self.cfg.url,
+                "mountpoint": self.cfg.mountpoint, "cache_dir": self.cfg.cache_dir,
+                "uptime_s": round(time.time() - self.started, 1),
+                "metrics": self.exporter.address if self.exporter else None,
+                "immutable": self.cfg.immutable, "tiers": tiers, "store_requests": requests,
+                "store_read_bytes": int(m.counter_value("cachefs_store_read_bytes_total")),
+                "read_bytes": int(m.counter_value("cachefs_read_bytes_total")),
+                "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total"))}
+
+    async def _status_command(self, args: dict) -> AsyncIterator[dict]:
+        yield self.status()
+
+
+def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
+    """Preflight, mount, serve until unmounted. Raises CachefsError before ``on_ready``."""
+    check_fuse()
+    check_mountpoint(cfg.mountpoint)
+    lock = CacheDirLock(cfg.cache_dir)
+    metrics = Metrics()
+    try:
+        store = open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                           profile=cfg.profile, max_connections=cfg.max_connections,
+                           connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
+                           max_attempts=cfg.max_attempts)
+        store.check()
+        daemon = Daemon(cfg, store, metrics)
+        trio.run(_serve, daemon, on_ready)
+        store.close()
+    finally:
+        lock.close()
+
+
+async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
+    cfg = daemon.cfg
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.disk.run)
+        await nursery.start(daemon.blocks.run)
+        options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs", "noatime"}
+        if cfg.allow_other:
+            options.add("allow_other")
+        try:
+            pyfuse3.init(daemon.ops, cfg.mountpoint, options)
+        except RuntimeError as exc:
+            raise MountpointError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
+        stop = _Stop()
+        unmount = True
+        try:
+            if cfg.metrics_port:
+                daemon.exporter = Exporter(daemon.metrics, cfg.metrics_host, cfg.metrics_port)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                nursery.start_soon(stop.on_signal, signals)
+                log.info("cachefs %s mounted %s at %s (cache %s)", __version__, cfg.url, cfg.mountpoint,
+                         cfg.cache_dir)
+                nursery.start_soon(_tune_then_ready, cfg, on_ready)
+                await pyfuse3.main(min_tasks=4, max_tasks=256)
+            unmount = stop.signalled     # otherwise the kernel side already unmounted
+        finally:
+            if daemon.exporter is not None:
+                daemon.exporter.close()
+            pyfuse3.close(unmount=unmount)
+            with trio.move_on_after(30, shield=True):
+                await daemon.disk.wait_idle()     # queued cache fills reach the disk tier
+            daemon.vfs.close()
+            log.info("unmounted %s", cfg.mountpoint)
+            nursery.cancel_scope.cancel()
+
+
+async def _tune_then_ready(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
+    """Once the kernel's INIT is answered (a stat through the mount returns), tune the
+    connection (INIT would clamp an earlier readahead setting) and report ready."""
+    await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
+    await trio.to_thread.run_sync(tune_kernel, cfg.mountpoint, cfg.fuse_read_ahead_kb, cfg.fuse_max_background)
+    on_ready()
+
+
+class _Stop:
+    signalled = False
+
+    async def on_signal(self, signals) -> None:
+        async for signum in signals:
+            log.info("received %s: unmounting", signal.Signals(signum).name)
+            self.signalled = True
+            pyfuse3.terminate()
+            return

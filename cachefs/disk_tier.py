@@ -1,0 +1,804 @@
+"""The disk tier: checksummed block files on the local NVMe, bounded in size.
+
+Layout under ``root``::
+
+    blocks/<digest[:2]>/<digest>     one file per block, in the format of ``BlockHeader``
+    tmp/<digest>.<random>.tmp        fills being written; whatever is left here at start is removed
+
+Concurrency and crash protocol (DESIGN invariants 2, 3, 4, 6)
+-------------------------------------------------------------
+* The trio thread owns all state here: the index (a segmented LRU), the reservation counter,
+  the in-flight and unlinking maps, the open-file cache and the health state. Worker threads
+  (``trio.to_thread.run_sync`` under one ``CapacityLimiter``) run only the module-level
+  ``_``-functions at the bottom, which take paths and bytes and touch no shared structure.
+* Reads are inline ``os.pread`` calls in the trio thread: a thread hop costs more than a
+  page-cache read (DESIGN §3). Every chunk a read touches is verified before it is returned.
+* A fill: ``start_fill`` registers the job in ``_inflight`` (so a second fill of the block is a
+  no-op) and queues it. A fill worker waits for any pending unlink of the same digest, then
+  reserves the file's size: it evicts index entries (probation LRU first) until index bytes +
+  reserved bytes + size <= capacity and the filesystem keeps ``free_space_ratio`` free. Evicted
+  entries leave the index at once (reads miss) and the same worker thread unlinks their files
+  *before* it writes, so the bytes on disk never exceed capacity. The thread writes ``tmp/``,
+  fsyncs, renames into ``blocks/`` and fsyncs the directory; only after the rename does the trio
+  thread add the entry to the index and release the reservation.
+* Every unlink (eviction, discard, corrupt block) is registered in ``_unlinking`` until it is
+  done; a fill of the same digest waits for it, so an old unlink never removes a new file.
+* Crash states and their one repair: a temp file (crash before the rename) is deleted by
+  ``run``; a renamed but unindexed block (crash after the rename) is indexed by the rebuild in
+  ``run``; a torn or rotten block fails its checksums on read and is unlinked and refetched;
+  an evicted block whose unlink never ran is indexed again by the next rebuild (and evicted
+  again if the cache is over capacity).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import re
+import secrets
+import struct
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import trio
+import xxhash
+
+from .block_key import BlockKey
+from .errors import CacheDirError, CorruptBlock
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+_TIER = "disk"
+_HEADER_ALIGN = 4096
+_MAX_CHUNKS = 1 << 20
+_DIGEST_NAME = re.compile(r"[0-9a-f]{40}")
+_xxh = xxhash.xxh3_64_intdigest
+
+
+# --- the block file format ----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """The header of a block file (format version 1); all integers little-endian.
+
+    ========  ======  =========================================================
+    offset    size    field
+    ========  ======  =========================================================
+    0         4       magic ``b"CFSB"``
+    4         2       format version (1)
+    6         2       reserved, 0
+    8         8       data length in bytes
+    16        4       chunk size (every chunk but the last is this long)
+    20        4       number of chunks n = ceil(data length / chunk size)
+    24        8*n     xxh3_64 of each chunk of data
+    24+8n     8       xxh3_64 of header bytes [0, 24+8n)
+    32+8n     pad     zeros up to ``length``, the next multiple of 4 KiB
+    length    data    the block's bytes
+    ========  ======  =========================================================
+
+    A file is valid only if its size is exactly ``length + data_len``.
+    """
+
+    data_len: int
+    chunk_size: int
+    digests: tuple[int, ...]
+    length: int
+
+    MAGIC = b"CFSB"
+    VERSION = 1
+    _FIXED = struct.Struct("<4sHHQII")
+
+    @classmethod
+    def length_for(cls, data_len: int, chunk_size: int) -> int:
+        chunks = -(-data_len // chunk_size)
+        return _round_up(cls._FIXED.size + 8 * chunks + 8, _HEADER_ALIGN)
+
+    @classmethod
+    def file_size(cls, data_len: int, chunk_size: int) -> int:
+        return cls.length_for(data_len, chunk_size) + data_len
+
+    @classmethod
+    def encode(cls, data: bytes, chunk_size: int) -> bytes:
+        view = memoryview(data)
+        digests = [_xxh(view[i:i + chunk_size]) for i in range(0, len(data), chunk_size)]
+        body = cls._FIXED.pack(cls.MAGIC, cls.VERSION, 0, len(data), chunk_size, len(digests))
+        body += struct.pack(f"<{len(digests)}Q", *digests)
+        body += struct.pack("<Q", _xxh(body))
+        return body.ljust(cls.length_for(len(data), chunk_size), b"\0")
+
+    @classmethod
+    def peek_length(cls, buf: bytes) -> int:
+        """The header length announced by the fixed fields at the start of ``buf``."""
+        if len(buf) < cls._FIXED.size:
+            raise CorruptBlock(f"truncated header ({len(buf)} bytes)")
+        magic, version, _, data_len, chunk_size, chunks = cls._FIXED.unpack_from(buf)
+        if magic != cls.MAGIC or version != cls.VERSION:
+            raise CorruptBlock(f"bad magic or version {magic!r} {version}")
+        if chunk_size == 0 or chunks > _MAX_CHUNKS or chunks != -(-data_len // chunk_size):
+            raise CorruptBlock(f"inconsistent header: {data_len} bytes, {chunks} x {chunk_size}")
+        return cls.length_for(data_len, chunk_size)
+
+    @classmethod
+    def parse(cls, buf: bytes) -> BlockHeader:
+        """Parse and verify the header at the start of ``buf`` (which may hold more bytes)."""
+        length = cls.peek_length(buf)
+        _, _, _, data_len, chunk_size, chunks = cls._FIXED.unpack_from(buf)
+        end = cls._FIXED.size + 8 * chunks
+        if len(buf) < end + 8:
+            raise CorruptBlock(f"truncated header ({len(buf)} bytes)")
+        (stored,) = struct.unpack_from("<Q", buf, end)
+        if _xxh(memoryview(buf)[:end]) != stored:
+            raise CorruptBlock("header checksum mismatch")
+        digests = struct.unpack_from(f"<{chunks}Q", buf, cls._FIXED.size)
+        return cls(data_len, chunk_size, digests, length)
+
+    def verify(self, first_chunk: int, data: memoryview) -> None:
+        """Check ``data``, which holds whole chunks starting at ``first_chunk``."""
+        size = self.chunk_size
+        for i in range(0, len(data), size):
+            index = first_chunk + i // size
+            if _xxh(data[i:i + size]) != self.digests[index]:
+                raise CorruptBlock(f"chunk {index} checksum mismatch")
+
+
+# --- health -------------------------------------------------------------------------------
+
+class DiskHealth:
+    """healthy -> unstable (no new fills) -> down (reads and fills bypass the tier).
+
+    ``unstable_errors`` I/O errors within ``window`` seconds make the disk unstable,
+    ``down_errors`` make it down. Errors never improve the state; once ``cooldown`` seconds
+    passed since the last error, the owner probes the disk and calls ``recovered``.
+    """
+
+    HEALTHY, UNSTABLE, DOWN = 0, 1, 2
+    NAMES = ("healthy", "unstable", "down")
+
+    def __init__(self, *, unstable_errors: int = 3, down_errors: int = 10, window: float = 10.0,
+                 cooldown: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.unstable_errors = unstable_errors
+        self.down_errors = down_errors
+        self.window = window
+        self.cooldown = cooldown
+        self.state = self.HEALTHY
+        self._clock = clock
+        self._errors: deque[float] = deque()
+
+    @property
+    def name(self) -> str:
+        return self.NAMES[self.state]
+
+    def record_error(self) -> bool:
+        """Count one I/O error; True when the state changed."""
+        now = self._clock()
+        self._errors.append(now)
+        while self._errors[0] < now - self.window:
+            self._errors.popleft()
+        count = len(self._errors)
+        worse = self.DOWN if count >= self.down_errors else (
+            self.UNSTABLE if count >= self.unstable_errors else self.HEALTHY)
+        old, self.state = self.state, max(self.state, worse)
+        return self.state != old
+
+    def probe_due(self) -> bool:
+        return self.state != self.HEALTHY and self._clock() - self._errors[-1] >= self.cooldown
+
+    def recovered(self) -> None:
+        self.state = self.HEALTHY
+        self._errors.clear()
+
+
+# --- the index: a segmented LRU -------------------------------------------------------------
+
+class _Entry:
+    __slots__ = ("size", "length")
+
+    def __init__(self, size: int, length: int | None) -> None:
+        self.size = size          # file size, header included: what counts against capacity
+        self.length = length      # data length; None until the header was read (after a rebuild)
+
+
+class _SegmentedLRU:
+    """Scan-resistant index (SLRU). New entries enter probation; a hit there promotes the
+    entry to protected, which holds at most ``protected_cap`` bytes (its LRU entries are demoted
+    back to the probation MRU end). Victims come from probation first, so a one-pass scan
+    (every block filled once, never hit) only churns probation."""
+
+    def __init__(self, protected_cap: int) -> None:
+        self.protected_cap = protected_cap
+        self.bytes = 0
+        self.protected_bytes = 0
+        self._probation: OrderedDict[str, _Entry] = OrderedDict()
+        self._protected: OrderedDict[str, _Entry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._probation or digest in self._protected
+
+    def get(self, digest: str) -> _Entry | None:
+        return self._protected.get(digest) or self._probation.get(digest)
+
+    def add(self, digest: str, entry: _Entry) -> None:
+        self._probation[digest] = entry
+        self.bytes += entry.size
+
+    def touch(self, digest: str) -> None:
+        if digest in self._protected:
+            self._protected.move_to_end(digest)
+            return
+        entry = self._probation.pop(digest)
+        self._protected[digest] = entry
+        self.protected_bytes += entry.size
+        while self.protected_bytes > self.protected_cap and len(self._protected) > 1:
+            old, demoted = self._protected.popitem(last=False)
+            self.protected_bytes -= demoted.size
+            self._probation[old] = demoted
+
+    def remove(self, digest: str) -> _Entry | None:
+        entry = self._probation.pop(digest, None)
+        if entry is None:
+            entry = self._protected.pop(digest, None)
+            if entry is None:
+                return None
+            self.protected_bytes -= entry.size
+        self.bytes -= entry.size
+        return entry
+
+    def victim(self) -> str | None:
+        segment = self._probation or self._protected
+        return next(iter(segment), None)
+
+
+# --- the tier -----------------------------------------------------------------------------
+
+class _Open(NamedTuple):
+    fd: int
+    header: BlockHeader
+
+
+@dataclass(eq=False)
+class _FillJob:
+    digest: str
+    data: bytes
+    done: trio.Event = field(default_factory=trio.Event)
+    ok: bool = False
+    cancelled: bool = False
+
+
+class DiskTier:
+    """Block files under ``root``, at most ``capacity`` bytes (headers included)."""
+
+    def __init__(self, root: Path, *, capacity: int, free_space_ratio: float, metrics: Metrics,
+                 fsync: bool = True, fill_workers: int = 4, max_pending_fill_bytes: int = 256 << 20,
+                 chunk_size: int = 128 << 10, health: DiskHealth | None = None) -> None:
+        self.root = Path(root)
+        self.capacity = capacity
+        self._free_ratio = free_space_ratio
+        self._metrics = metrics
+        self._fsync = fsync
+        self._fill_workers = fill_workers
+        self._max_pending = max_pending_fill_bytes
+        self._chunk_size = chunk_size
+        self._health = health or DiskHealth()
+        self._blocks_dir = self.root / "blocks"
+        self._tmp_dir = self.root / "tmp"
+        self._index = _SegmentedLRU(int(capacity * 0.8))
+        self._reserved = 0                        # bytes being written or waiting to be unlinked
+        self._growing = 0                         # bytes running fills will add to the filesystem
+        self._pending_bytes = 0                   # data held by queued or running fills
+        self._inflight: dict[str, _FillJob] = {}
+        self._unlinking: dict[str, trio.Event] = {}
+        self._handles: OrderedDict[str, _Open] = OrderedDict()
+        self._max_open = 256
+        self._limiter = trio.CapacityLimiter(fill_workers)
+        self._fill_send, self._fill_recv = trio.open_memory_channel[_FillJob](math.inf)
+        self._nursery: trio.Nursery | None = None
+        self._fs_free = 0                         # statvfs snapshot (bytes available, total)
+        self._fs_total = 0
+        self._fs_checked = -math.inf
+        self._fs_delta = 0                        # our writes/evictions since the snapshot
+        self._fs_ttl = 1.0
+        # seams for tests: blocking calls that can fail
+        self._pread = os.pread
+        self._statvfs = os.statvfs
+        self._write_file = _write_block_file
+        self._probe = _probe_dir
+        metrics.tier_capacity_bytes.labels(_TIER).set(capacity)
+        metrics.disk_health.set(self._health.state)
+        self._update_gauges()
+
+    # -- lifecycle --
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            removed, found = await trio.to_thread.run_sync(_prepare_root, self.root, self._fsync)
+        except OSError as exc:
+            raise CacheDirError(f"cannot use cache dir {self.root}: {exc.strerror or exc}") from exc
+        if removed:
+            log.info("removed %d stale temp files from %s", removed, self._tmp_dir)
+        for _, digest, size in found:
+            self._index.add(digest, _Entry(size, None))
+        log.info("disk tier %s: %d blocks, %d bytes", self.root, len(self._index), self._index.bytes)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._shrink_to_capacity()
+                while self._unlinking:             # start within capacity
+                    await trio.sleep(0.005)
+                for _ in range(self._fill_workers):
+                    nursery.start_soon(self._fill_worker, self._fill_recv.clone())
+                nursery.start_soon(self._watch_health)
+                task_status.started()
+        finally:
+            self._nursery = None
+            while self._handles:
+                os.close(self._handles.popitem()[1].fd)
+
+    async def wait_idle(self) -> None:
+        """Return once no fill is queued or running and no unlink is pending."""
+        while self._inflight or self._unlinking:
+            await trio.sleep(0.005)
+
+    # -- reads --
+
+    def read(self, key: BlockKey, offset: int, size: int) -> bytes | None:
+        """Bytes [offset, min(offset+size, block length)) of a cached block, verified; None on a miss."""
+        digest = key.digest()
+        data = None
+        if self._health.state != DiskHealth.DOWN and digest in self._index:
+            data = self._checked_read(digest, offset, size)
+        if data is None:
+            self._metrics.tier_misses.labels(_TIER).inc()
+            return None
+        self._index.touch(digest)
+        self._metrics.tier_hits.labels(_TIER).inc()
+        self._metrics.tier_hit_bytes.labels(_TIER).inc(len(data))
+        return data
+
+    def block_length(self, key: BlockKey) -> int | None:
+        """Data length of a cached block (reads its header once after a restart); None if absent."""
+        digest = key.digest()
+        entry = self._index.get(digest)
+        if entry is None or self._health.state == DiskHealth.DOWN:
+            return None
+        if entry.length is None and self._checked_read(digest, 0, 0) is None:
+            return None
+        return entry.length
+
+    def contains(self, key: BlockKey) -> bool:
+        return self._health.state != DiskHealth.DOWN and key.digest() in self._index
+
+    def _checked_read(self, digest: str, offset: int, size: int) -> bytes | None:
+        """``_read_verified``, with a bad block dropped and an I/O error counted: None then."""
+        try:
+            return self._read_verified(digest, offset, size)
+        except CorruptBlock as exc:
+            self._drop_corrupt(digest, str(exc))
+        except OSError as exc:
+            self._io_error("read", exc)
+            self._drop(digest)
+        return None
+
+    def _read_verified(self, digest: str, offset: int, size: int) -> bytes:
+        opened = self._handles.get(digest)
+        prefix = None
+        if opened is None:
+            # read the header and, when the range starts in chunk 0, its data in one pread
+            want = 0
+            if offset < self._chunk_size:
+                want = min(_round_up(offset + size, self._chunk_size), self._index.get(digest).size)
+            opened, prefix = self._open(digest, want)
+        else:
+            self._handles.move_to_end(digest)
+        header = opened.header
+        end = min(offset + size, header.data_len)
+        if offset >= end:
+            return b""
+        first, cs = offset // header.chunk_size, header.chunk_size
+        lo, hi = first * cs, min(_round_up(end, cs), header.data_len)
+        if prefix is not None and len(prefix) >= header.length + hi:
+            raw = memoryview(prefix)[header.length + lo:header.length + hi]
+        else:
+            raw = self._pread(opened.fd, hi - lo, header.length + lo)
+            if len(raw) != hi - lo:
+                raise CorruptBlock(f"truncated: read {len(raw)} of {hi - lo} bytes at {lo}")
+        header.verify(first, memoryview(raw))
+        if lo == offset and hi == end and isinstance(raw, bytes):
+            return raw
+        return bytes(memoryview(raw)[offset - lo:end - lo])
+
+    def _open(self, digest: str, want: int) -> tuple[_Open, bytes]:
+        try:
+            fd = os.open(self._block_path(digest), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CorruptBlock("file missing") from None
+        try:
+            file_size = os.fstat(fd).st_size
+            buf = self._pread(fd, _HEADER_ALIGN + want, 0)
+            length = BlockHeader.peek_length(buf)
+            if length > _HEADER_ALIGN:
+                buf = self._pread(fd, length + want, 0)
+            header = BlockHeader.parse(buf)
+            if file_size != header.length + header.data_len:
+                raise CorruptBlock(f"file has {file_size} bytes, header says "
+                                   f"{header.length + header.data_len}")
+        except BaseException:
+            os.close(fd)
+            raise
+        opened = self._handles[digest] = _Open(fd, header)
+        if len(self._handles) > self._max_open:
+            os.close(self._handles.popitem(last=False)[1].fd)
+        self._index.get(digest).length = header.data_len
+        return opened, buf
+
+    # -- fills --
+
+    def start_fill(self, key: BlockKey, data: bytes) -> bool:
+        """Queue ``data`` to be written; False (counted) when the fill is dropped instead."""
+        digest = key.digest()
+        if self._already_there(digest):
+            return True
+        reason = self._refusal(len(data))
+        if reason is None and self._pending_bytes + len(data) > self._max_pending:
+            reason = "queue_full"
+        if reason is not None:
+            self._metrics.dropped_fills.labels(_TIER, reason).inc()
+            return False
+        self._fill_send.send_nowait(self._register(digest, data))
+        return True
+
+    async def fill(self, key: BlockKey, data: bytes) -> bool:
+        """Write ``data`` now and wait; True when the block is cached."""
+        digest = key.digest()
+        if self._already_there(digest):
+            job = self._inflight.get(digest)
+            if job is not None:
+                await job.done.wait()
+                return job.ok
+            return True
+        reason = self._refusal(len(data))
+        if reason is not None:
+            self._metrics.dropped_fills.labels(_TIER, reason).inc()
+            return False
+        job = self._register(digest, data)
+        await self._store(job)
+        return job.ok
+
+    def discard(self, key: BlockKey) -> None:
+        digest = key.digest()
+        job = self._inflight.get(digest)
+        if job is not None:
+            job.cancelled = True
+        self._drop(digest)
+
+    def _already_there(self, digest: str) -> bool:
+        job = self._inflight.get(digest)
+        if job is not None:
+            job.cancelled = False      # same key, same bytes: a discarded fill is wanted again
+            return True
+        return digest in self._index
+
+    def _refusal(self, data_len: int) -> str | None:
+        if self._health.state != DiskHealth.HEALTHY:
+            return "unhealthy"
+        if BlockHeader.file_size(data_len, self._chunk_size) > self.capacity:
+            return "no_space"
+        return None
+
+    def _register(self, digest: str, data: bytes) -> _FillJob:
+        job = self._inflight[digest] = _FillJob(digest, bytes(data))
+        self._pending_bytes += len(job.data)
+        return job
+
+    async def _fill_worker(self, recv: trio.MemoryReceiveChannel[_FillJob]) -> None:
+        async with recv:
+            async for job in recv:
+                await self._store(job)
+
+    async def _store(self, job: _FillJob) -> None:
+        try:
+            job.ok = await self._write(job)
+        finally:
+            del self._inflight[job.digest]
+            self._pending_bytes -= len(job.data)
+            job.done.set()
+
+    async def _write(self, job: _FillJob) -> bool:
+        unlinking = self._unlinking.get(job.digest)
+        if unlinking is not None:
+            await unlinking.wait()
+        if job.cancelled:
+            return False
+        if self._health.state != DiskHealth.HEALTHY:
+            self._metrics.dropped_fills.labels(_TIER, "unhealthy").inc()
+            return False
+        size = BlockHeader.file_size(len(job.data), self._chunk_size)
+        try:
+            room = self._reserve(size)
+        except OSError as exc:
+            self._io_error("statvfs", exc)
+            self._metrics.dropped_fills.labels(_TIER, "error").inc()
+            return False
+        if room is None:
+            self._metrics.dropped_fills.labels(_TIER, "no_space").inc()
+            return False
+        doomed, freed = room
+        hold, grow = max(size, freed), max(0, size - freed)
+        gone = trio.Event()
+        for digest in doomed:
+            self._unlinking[digest] = gone
+        tmp = self._tmp_dir / f"{job.digest}.{secrets.token_hex(4)}.tmp"
+        try:
+            errors = await trio.to_thread.run_sync(
+                self._write_file, [self._block_path(d) for d in doomed], tmp,
+                self._block_path(job.digest), job.data, self._chunk_size, self._fsync,
+                limiter=self._limiter)
+        except OSError as exc:
+            self._fs_delta += grow + freed
+            self._write_failed(exc)
+            return False
+        else:
+            self._fs_delta += freed - size + grow
+        finally:
+            self._reserved -= hold
+            self._growing -= grow
+            for digest in doomed:
+                del self._unlinking[digest]
+            gone.set()
+            self._update_gauges()
+        for exc in errors:
+            self._io_error("unlink", exc)
+        if job.cancelled:
+            self._schedule_unlink(job.digest, size)
+            return False
+        self._index.add(job.digest, _Entry(size, len(job.data)))
+        self._update_gauges()
+        return True
+
+    def _write_failed(self, exc: OSError) -> None:
+        if exc.errno == errno.ENOSPC:
+            self._metrics.disk_errors.labels("write").inc()
+            self._metrics.dropped_fills.labels(_TIER, "no_space").inc()
+            self._fs_checked = -math.inf
+            log.info("cache disk %s is full: %s", self.root, exc)
+            return
+        self._io_error("write", exc)
+        self._metrics.dropped_fills.labels(_TIER, "error").inc()
+
+    # -- space --
+
+    def _reserve(self, size: int) -> tuple[list[str], int] | None:
+        """Make room for a file of ``size`` bytes by evicting; None if room cannot be made.
+
+        Returns the evicted digests and their bytes. Their files stay on disk until the
+        fill's thread unlinks them (just before it writes), so the fill holds
+        ``max(size, freed)`` bytes of the capacity until it is done: the bytes on disk never
+        exceed the index bytes plus ``_reserved``, which never exceed ``capacity``.
+        """
+        free, want = self._fs_room()
+        if self._reserved + size > self.capacity or free + self._index.bytes - size < want:
+            return None
+        doomed, freed = [], 0
+        while self._index.bytes + self._reserved + size > self.capacity or free + freed - size < want:
+            digest = self._index.victim()
+            freed += self._evict(digest)
+            doomed.append(digest)
+        grow = max(0, size - freed)
+        self._reserved += max(size, freed)
+        self._growing += grow
+        self._fs_delta -= grow
+        return doomed, freed
+
+    def _fs_room(self) -> tuple[int, float]:
+        """(bytes free now, by our estimate; bytes that must stay free)."""
+        now = time.monotonic()
+        if now - self._fs_checked >= self._fs_ttl:
+            st = self._statvfs(self.root)
+            self._fs_free, self._fs_total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+            self._fs_checked = now
+            self._fs_delta = -self._growing
+        return self._fs_free + self._fs_delta, self._free_ratio * self._fs_total
+
+    def _evict(self, digest: str) -> int:
+        entry = self._forget(digest)
+        self._metrics.evictions.labels(_TIER).inc()
+        self._metrics.evicted_bytes.labels(_TIER).inc(entry.size)
+        return entry.size
+
+    def _shrink_to_capacity(self) -> None:
+        while self._index.bytes > self.capacity:
+            digest = self._index.victim()
+            self._schedule_unlink(digest, self._evict(digest))
+        self._update_gauges()
+
+    # -- dropping blocks --
+
+    def _forget(self, digest: str) -> _Entry | None:
+        opened = self._handles.pop(digest, None)
+        if opened is not None:
+            os.close(opened.fd)
+        return self._index.remove(digest)
+
+    def _drop(self, digest: str) -> None:
+        entry = self._forget(digest)
+        if entry is not None:
+            self._schedule_unlink(digest, entry.size)
+            self._update_gauges()
+
+    def _drop_corrupt(self, digest: str, reason: str) -> None:
+        log.info("dropping corrupt disk block %s: %s", digest, reason)
+        self._metrics.corrupt_blocks.inc()
+        self._drop(digest)
+
+    def _schedule_unlink(self, digest: str, size: int) -> None:
+        """Unlink a block file that left the index; its bytes stay reserved until it is gone."""
+        path = self._block_path(digest)
+        if self._nursery is None:          # not running: nothing can race with us
+            with suppress(OSError):
+                path.unlink()
+            return
+        done = self._unlinking[digest] = trio.Event()
+        self._reserved += size
+        self._nursery.start_soon(self._unlink, digest, path, size, done)
+
+    async def _unlink(self, digest: str, path: Path, size: int, done: trio.Event) -> None:
+        try:
+            errors = await trio.to_thread.run_sync(_unlink_paths, [path], limiter=self._limiter)
+        finally:
+            del self._unlinking[digest]
+            self._reserved -= size
+            self._fs_delta += size
+            self._update_gauges()
+            done.set()
+        for exc in errors:
+            self._io_error("unlink", exc)
+
+    # -- health --
+
+    def _io_error(self, op: str, exc: OSError) -> None:
+        self._metrics.disk_errors.labels(op).inc()
+        log.info("cache disk %s: %s failed: %s", self.root, op, exc)
+        if self._health.record_error():
+            self._metrics.disk_health.set(self._health.state)
+            log.warning("cache disk %s is now %s after repeated I/O errors (last: %s)",
+                        self.root, self._health.name, exc)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await trio.sleep(min(1.0, self._health.cooldown / 2))
+            if not self._health.probe_due():
+                continue
+            try:
+                await trio.to_thread.run_sync(self._probe, self._tmp_dir, self._fsync,
+                                              limiter=self._limiter)
+            except OSError as exc:
+                self._io_error("probe", exc)
+                continue
+            self._health.recovered()
+            self._metrics.disk_health.set(self._health.state)
+            log.info("cache disk %s is healthy again", self.root)
+
+    # -- small helpers --
+
+    def _block_path(self, digest: str) -> Path:
+        return self._blocks_dir / digest[:2] / digest
+
+    def _update_gauges(self) -> None:
+        self._metrics.tier_used_bytes.labels(_TIER).set(self._index.bytes + self._reserved)
+        self._metrics.tier_blocks.labels(_TIER).set(len(self._index))
+
+    def stats(self) -> dict:
+        return {
+            "used_bytes": self._index.bytes + self._reserved,
+            "capacity": self.capacity,
+            "blocks": len(self._index),
+            "protected_bytes": self._index.protected_bytes,
+            "pending_fill_bytes": self._pending_bytes,
+            "health": self._health.name,
+        }
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# --- blocking work, run in worker threads: paths and bytes in, no shared state -------------
+
+def _prepare_root(root: Path, fsync: bool) -> tuple[int, list[tuple[int, str, int]]]:
+    """Create the layout, prove it writable, remove stale temp files and list the blocks
+    as (mtime_ns, digest, size), oldest first. Stat only: blocks are verified on read."""
+    blocks, tmp = root / "blocks", root / "tmp"
+    for path in (root, blocks, tmp):
+        path.mkdir(parents=True, exist_ok=True)
+    for i in range(256):
+        (blocks / f"{i:02x}").mkdir(exist_ok=True)
+    removed = 0
+    with os.scandir(tmp) as entries:
+        for entry in entries:
+            os.unlink(entry.path)
+            removed += 1
+    _probe_dir(tmp, fsync)
+    found = []
+    for i in range(256):
+        prefix = f"{i:02x}"
+        with os.scandir(blocks / prefix) as entries:
+            for entry in entries:
+                if _DIGEST_NAME.fullmatch(entry.name) and entry.name.startswith(prefix) \
+                        and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, entry.name, st.st_size))
+    found.sort()
+    return removed, found
+
+
+def _probe_dir(directory: Path, fsync: bool) -> None:
+    """Write, fsync and delete a small file: raises OSError if the disk cannot take writes."""
+    path = directory / f"probe.{secrets.token_hex(4)}.tmp"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        _write_all(fd, b"cachefs probe\n")
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, chunk_size: int,
+                      fsync: bool) -> list[OSError]:
+    """Unlink the evicted files, then write ``data`` crash-safely as ``final``.
+
+    Returns the unlink errors (missing files are not errors); raises OSError if the write fails.
+    """
+    errors = _unlink_paths(doomed)
+    header = BlockHeader.encode(data, chunk_size)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _write_all(fd, header)
+            _write_all(fd, data)
+            if fsync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return errors
+
+
+def _unlink_paths(paths: list[Path]) -> list[OSError]:
+    errors = []
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            errors.append(exc)
+    return errors
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

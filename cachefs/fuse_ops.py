@@ -1,0 +1,250 @@
+"""The thin pyfuse3 adapter: request -> vfs call -> reply. No logic lives here.
+
+``_operation`` is the one choke point where exceptions become ``FUSEError``
+(DESIGN invariant 7): each failure is logged once with its operation and
+counted by errno; unexpected exceptions are logged with a traceback.
+"""
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+
+import pyfuse3
+
+from .control import Control
+from .errors import CachefsError
+from .metrics import Metrics
+from .vfs import CONTROL_INODE, CONTROL_NAME, ROOT_INODE, FsError, Node, Vfs
+
+log = logging.getLogger(__name__)
+
+_IMMUTABLE_TIMEOUT = 24 * 3600.0
+_QUIET_ERRNOS = {errno.ENOENT, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENOSYS, errno.ENODATA}
+
+
+def _operation(name: str):
+    """Count, time and map the errors of one FUSE handler."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def run(self: "Operations", *args):
+            started = time.perf_counter()
+            try:
+                return await handler(self, *args)
+            except pyfuse3.FUSEError as exc:
+                self._failed(name, exc.errno)
+                raise
+            except (CachefsError, OSError) as exc:
+                code = exc.errno or errno.EIO
+                self._failed(name, code)
+                level = logging.DEBUG if code in _QUIET_ERRNOS else logging.ERROR
+                log.log(level, "%s%s: %s", name, _describe(self, args), exc)
+                raise pyfuse3.FUSEError(code) from None
+            except Exception:
+                self._failed(name, errno.EIO)
+                log.exception("%s%s: unexpected error", name, _describe(self, args))
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            finally:
+                self._timing[name].observe(time.perf_counter() - started)
+
+        return run
+
+    return wrap
+
+
+def _describe(ops: "Operations", args: tuple) -> str:
+    """Name the object an operation was about, for the one log line of a failure."""
+    target = args[0] if args else None
+    if isinstance(target, int):
+        handle = ops.vfs.handles.get(target)
+        node = handle.node if handle else ops.vfs._nodes.get(target)
+        if node is not None:
+            return f" {node.path or '/'!r}"
+    return ""
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, vfs: Vfs, control: Control, metrics: Metrics, *, uid: int, gid: int,
+                 file_mode: int, dir_mode: int, metadata_ttl: float, immutable: bool) -> None:
+        super().__init__()
+        self.vfs = vfs
+        self.control = control
+        self.metrics = metrics
+        self.uid, self.gid = uid, gid
+        self.file_mode, self.dir_mode = file_mode, dir_mode
+        self.timeout = _IMMUTABLE_TIMEOUT if immutable else metadata_ttl
+        self._timing = _TimingCache(metrics)
+
+    def _failed(self, name: str, code: int) -> None:
+        self.metrics.fuse_errors.labels(name, errno.errorcode.get(code, str(code))).inc()
+
+    # ---- attributes -------------------------------------------------------------------------
+    def _attr(self, node: Node) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = node.inode
+        attr.entry_timeout = attr.attr_timeout = self.timeout
+        if node.is_dir:
+            attr.st_mode = stat.S_IFDIR | self.dir_mode
+            attr.st_nlink = 2
+        else:
+            attr.st_mode = stat.S_IFREG | self.file_mode
+            attr.st_nlink = 1
+            attr.st_size = node.size
+            attr.st_blocks = (node.size + 511) // 512
+        attr.st_blksize = 128 * 1024
+        attr.st_uid, attr.st_gid = self.uid, self.gid
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = int(node.mtime * 1e9)
+        return attr
+
+    def _control_attr(self) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = CONTROL_INODE
+        attr.st_mode = stat.S_IFREG | 0o666
+        attr.st_nlink = 1
+        attr.st_uid, attr.st_gid = self.uid, self.gid
+        attr.entry_timeout = attr.attr_timeout = 1.0
+        return attr
+
+    @_operation("lookup")
+    async def lookup(self, parent_inode, name, ctx=None):
+        text = os.fsdecode(name)
+        if parent_inode == ROOT_INODE and text == CONTROL_NAME:
+            return self._control_attr()
+        try:
+            return self._attr(await self.vfs.lookup(parent_inode, text))
+        except FsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            negative = pyfuse3.EntryAttributes()   # st_ino 0: the kernel caches the miss
+            negative.st_ino = 0
+            negative.entry_timeout = self.timeout
+            return negative
+
+    @_operation("getattr")
+    async def getattr(self, inode, ctx=None):
+        if inode == CONTROL_INODE:
+            return self._control_attr()
+        return self._attr(await self.vfs.getattr(inode))
+
+    @_operation("forget")
+    async def forget(self, inode_list):
+        for inode, count in inode_list:
+            self.vfs.forget(inode, count)
+
+    @_operation("statfs")
+    async def statfs(self, ctx):
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = 4096
+        data.f_blocks = 1 << 40
+        data.f_bfree = data.f_bavail = 0
+        data.f_files = len(self.vfs._nodes)
+        data.f_ffree = data.f_favail = 0
+        data.f_namemax = 1024
+        return data
+
+    # ---- directories ------------------------------------------------------------------------
+    @_operation("opendir")
+    async def opendir(self, inode, ctx):
+        return await self.vfs.opendir(inode)
+
+    @_operation("readdir")
+    async def readdir(self, fh, start_id, token):
+        for name, node, next_id in self.vfs.readdir_entries(fh, start_id):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(node), next_id):
+                return
+            self.vfs.remember(node)
+
+    @_operation("releasedir")
+    async def releasedir(self, fh):
+        self.vfs.releasedir(fh)
+
+    # ---- files ------------------------------------------------------------------------------
+    @_operation("open")
+    async def open(self, inode, flags, ctx):
+        if inode == CONTROL_INODE:
+            return pyfuse3.FileInfo(fh=self.control.open(), direct_io=True, nonseekable=True)
+        handle, keep_cache = await self.vfs.open(inode, flags)
+        return pyfuse3.FileInfo(fh=handle.fh, keep_cache=keep_cache)
+
+    @_operation("read")
+    async def read(self, fh, off, size):
+        if self.control.owns(fh):
+            return await self.control.read(fh, size)
+        return await self.vfs.read(fh, off, size)
+
+    @_operation("write")
+    async def write(self, fh, off, buf):
+        if self.control.owns(fh):
+            return self.control.write(fh, buf)
+        raise FsError(errno.EROFS)
+
+    @_operation("flush")
+    async def flush(self, fh):
+        raise pyfuse3.FUSEError(errno.ENOSYS)   # read-only data: the kernel stops sending flush
+
+    @_operation("release")
+    async def release(self, fh):
+        if self.control.owns(fh):
+            self.control.release(fh)
+        else:
+            self.vfs.release(fh)
+
+    # ---- what a read-only object-store view cannot do -----------------------------------------
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def unlink(self, parent_inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def rmdir(self, parent_inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+
+class _TimingCache(dict):
+    """Histogram children per operation name, resolved once (labels() is not free)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
+        self._metrics = metrics
+
+    def __missing__(self, name: str):
+        child = _Timing(self._metrics, name)
+        self[name] = child
+        return child
+
+
+class _Timing:
+    __slots__ = ("_count", "_latency")
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self._count = metrics.fuse_ops.labels(name)
+        self._latency = metrics.fuse_latency.labels(name)
+
+    def observe(self, seconds: float) -> None:
+        self._count.inc()
+        self._latency.observe(seconds)

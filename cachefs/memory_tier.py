@@ -1,0 +1,70 @@
+"""The memory tier: whole blocks in an LRU bounded in bytes (DESIGN invariant 3).
+
+Plain synchronous code: only the trio thread touches it (invariant 6).
+"""
+
+from collections import OrderedDict
+
+from .block_key import BlockKey
+from .metrics import Metrics
+
+_TIER = "memory"
+
+
+class MemoryTier:
+    """Blocks by key, least recently used evicted first; ``used`` never exceeds ``capacity``."""
+
+    def __init__(self, capacity_bytes: int, metrics: Metrics) -> None:
+        self.capacity = capacity_bytes
+        self.used = 0
+        self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._metrics = metrics
+        metrics.tier_capacity_bytes.labels(_TIER).set(capacity_bytes)
+        self._update_gauges()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def get(self, key: BlockKey) -> bytes | None:
+        data = self._blocks.get(key)
+        if data is None:
+            self._metrics.tier_misses.labels(_TIER).inc()
+            return None
+        self._blocks.move_to_end(key)
+        self._metrics.tier_hits.labels(_TIER).inc()
+        self._metrics.tier_hit_bytes.labels(_TIER).inc(len(data))
+        return data
+
+    def put(self, key: BlockKey, data: bytes) -> None:
+        """Store ``data``, evicting the least recently used blocks to make room.
+
+        A block larger than the whole capacity is not stored (and evicts nothing).
+        """
+        self._remove(key)
+        if len(data) > self.capacity:
+            self._update_gauges()
+            return
+        while self.used + len(data) > self.capacity:
+            _, victim = self._blocks.popitem(last=False)
+            self.used -= len(victim)
+            self._metrics.evictions.labels(_TIER).inc()
+            self._metrics.evicted_bytes.labels(_TIER).inc(len(victim))
+        self._blocks[key] = data
+        self.used += len(data)
+        self._update_gauges()
+
+    def discard(self, key: BlockKey) -> None:
+        self._remove(key)
+        self._update_gauges()
+
+    def _remove(self, key: BlockKey) -> None:
+        old = self._blocks.pop(key, None)
+        if old is not None:
+            self.used -= len(old)
+
+    def _update_gauges(self) -> None:
+        self._metrics.tier_used_bytes.labels(_TIER).set(self.used)
+        self._metrics.tier_blocks.labels(_TIER).set(len(self._blocks))

@@ -1,0 +1,92 @@
+"""Prometheus metrics on a dedicated registry, and the exporter.
+
+Labels never carry secrets or unbounded values (no paths, no keys): only tier,
+operation, status class and result names from small fixed sets.
+"""
+
+import logging
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, make_server
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """All metrics of one daemon. Create one per daemon (tests create many)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        # tiers: tier in {memory, disk}
+        self.tier_hits = Counter("cachefs_tier_hits", "Block reads served by a tier", ["tier"], registry=r)
+        self.tier_misses = Counter("cachefs_tier_misses", "Block reads a tier could not serve", ["tier"], registry=r)
+        self.tier_hit_bytes = Counter("cachefs_tier_hit_bytes", "Bytes served by a tier", ["tier"], registry=r)
+        self.tier_used_bytes = Gauge("cachefs_tier_used_bytes", "Bytes held by a tier", ["tier"], registry=r)
+        self.tier_capacity_bytes = Gauge("cachefs_tier_capacity_bytes", "Capacity of a tier", ["tier"], registry=r)
+        self.tier_blocks = Gauge("cachefs_tier_blocks", "Blocks held by a tier", ["tier"], registry=r)
+        self.evictions = Counter("cachefs_evictions", "Blocks evicted", ["tier"], registry=r)
+        self.evicted_bytes = Counter("cachefs_evicted_bytes", "Bytes evicted", ["tier"], registry=r)
+        # reason in {queue_full, no_space, unhealthy, error}
+        self.dropped_fills = Counter("cachefs_dropped_fills", "Cache fills dropped instead of queued",
+                                     ["tier", "reason"], registry=r)
+        self.corrupt_blocks = Counter("cachefs_corrupt_blocks", "Disk-tier blocks that failed verification",
+                                      registry=r)
+        self.disk_errors = Counter("cachefs_disk_errors", "I/O errors on the cache disk", ["op"], registry=r)
+        # 0 healthy, 1 unstable, 2 down
+        self.disk_health = Gauge("cachefs_disk_health", "Cache disk state: 0 healthy, 1 unstable, 2 down",
+                                 registry=r)
+        self.store_bytes = Counter("cachefs_store_read_bytes", "Bytes read from the object store", registry=r)
+        # op in {get, head, list, put, ...}; status: HTTP code class or error kind
+        self.store_requests = Counter("cachefs_store_requests", "Object-store requests", ["op", "status"],
+                                      registry=r)
+        self.store_latency = Histogram("cachefs_store_request_seconds", "Object-store request latency",
+                                       ["op"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.store_retries = Counter("cachefs_store_retries", "Object-store requests retried", ["op"],
+                                     registry=r)
+        self.readahead_blocks = Counter("cachefs_readahead_blocks", "Blocks prefetched by readahead",
+                                        registry=r)
+        self.singleflight_joins = Counter("cachefs_singleflight_joins",
+                                          "Reads that joined an in-flight download", registry=r)
+        self.fuse_ops = Counter("cachefs_fuse_operations", "FUSE operations", ["op"], registry=r)
+        self.fuse_errors = Counter("cachefs_fuse_errors", "FUSE operations that failed", ["op", "errno"],
+                                   registry=r)
+        self.fuse_latency = Histogram("cachefs_fuse_operation_seconds", "FUSE operation latency", ["op"],
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.read_bytes = Counter("cachefs_read_bytes", "Bytes returned to readers", registry=r)
+
+    def counter_value(self, name: str, **labels: str) -> float:
+        """The current value of one sample (``name`` as exported, e.g. 'cachefs_tier_hits_total')."""
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+class Exporter:
+    """Serves /metrics on a loopback address from a daemon thread."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int, tries: int = 10) -> None:
+        self._server: WSGIServer | None = None
+        app = make_wsgi_app(metrics.registry)
+        last: OSError | None = None
+        for candidate in range(port, port + tries):
+            try:
+                self._server = make_server(host, candidate, app, ThreadingWSGIServer,
+                                           handler_class=_SilentHandler)
+                break
+            except OSError as exc:
+                last = exc
+        if self._server is None:
+            raise OSError(f"no free port for metrics in {host}:{port}-{port + tries - 1}: {last}")
+        self.address = f"{host}:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

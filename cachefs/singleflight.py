@@ -1,0 +1,53 @@
+"""Concurrent callers asking for the same key share one call (DESIGN invariant 6)."""
+
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
+
+import trio
+
+
+class _Call:
+    __slots__ = ("done", "value", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class SingleFlight:
+    def __init__(self) -> None:
+        self._calls: dict[Hashable, _Call] = {}
+        self.joins = 0
+
+    def in_flight(self, key: Hashable) -> bool:
+        return key in self._calls
+
+    async def do(self, key: Hashable, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``fn`` once for all concurrent callers of ``key``; each gets its result or error.
+
+        If the leader is cancelled, a waiting follower becomes the next leader
+        instead of inheriting the cancellation.
+        """
+        while True:
+            call = self._calls.get(key)
+            if call is None:
+                return await self._lead(key, fn)
+            self.joins += 1
+            await call.done.wait()
+            if call.error is None:
+                return call.value
+            if isinstance(call.error, Exception):
+                raise call.error
+
+    async def _lead(self, key: Hashable, fn: Callable[[], Awaitable[Any]]) -> Any:
+        call = self._calls[key] = _Call()
+        try:
+            call.value = await fn()
+            return call.value
+        except BaseException as exc:
+            call.error = exc
+            raise
+        finally:
+            del self._calls[key]
+            call.done.set()

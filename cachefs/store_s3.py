@@ -1,0 +1,331 @@
+"""S3 and Ceph RGW through boto3: one shared client, our own retries, strict GET checks.
+
+botocore's own retries are off (one attempt per call); ``call_with_retries``
+retries what ``is_temp_failure`` calls transient, and ``map_error`` turns what
+is left into the cachefs vocabulary with a message naming the operation and
+``s3://bucket/key``. Credentials come only from boto3's standard chain (env,
+profile, credentials file), never from arguments or URLs, and are never logged.
+
+GET is checked because servers differ (DESIGN section 3): a ranged GET must be
+answered 206 with a matching Content-Range (or 200 with the whole object,
+which we slice, as rclone's server does); a response ETag other than the
+pinned one means the server ignored If-Match; a short body is retried.
+"""
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+import botocore.exceptions as bx
+from botocore.config import Config
+
+from .errors import (
+    AccessDenied,
+    BadResponse,
+    ConfigError,
+    NoSuchBucket,
+    NoSuchKey,
+    StoreError,
+    Unreachable,
+    VersionChanged,
+)
+from .metrics import Metrics
+from .retry import call_with_retries
+from .store import Listing, ObjectInfo, ObjectStore
+
+_TEMP_CODES = frozenset({"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "InternalError",
+                         "ServiceUnavailable", "TooManyRequests", "RequestLimitExceeded",
+                         "BandwidthLimitExceeded", "500", "502", "503", "504"})
+_TEMP_STATUS = frozenset({429, 500, 502, 503, 504})
+_DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                           "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "Forbidden", "403"})
+_MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
+_CREDENTIAL_ERRORS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)
+_CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+class ShortBody(Exception):
+    """The body length differs from what was asked: retried, then BadResponse."""
+
+
+_TEMP_EXCEPTIONS = (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError, ShortBody,
+                    ConnectionError, TimeoutError)
+_MAPPED = (bx.ClientError, bx.BotoCoreError, ShortBody, ConnectionError, TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class S3Options:
+    endpoint_url: str | None = None   # None: AWS
+    region: str | None = None
+    profile: str | None = None
+    max_connections: int = 64
+    connect_timeout: float = 5.0
+    read_timeout: float = 30.0
+    max_attempts: int = 5
+
+
+# --- error classification and mapping ---------------------------------------------------------
+
+def _code_and_status(exc: bx.ClientError) -> tuple[str, int]:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return code, int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def is_temp_failure(exc: BaseException) -> bool:
+    """True for errors worth retrying: connection trouble, timeouts, 5xx, throttling, short bodies."""
+    if isinstance(exc, bx.ClientError):
+        code, status = _code_and_status(exc)
+        return code in _TEMP_CODES or status in _TEMP_STATUS
+    return isinstance(exc, _TEMP_EXCEPTIONS)
+
+
+def map_error(exc: BaseException, *, op: str, url: str, missing: type[StoreError] = NoSuchKey) -> StoreError:
+    """The cachefs error for a botocore failure of ``op`` on ``url`` (retries already spent)."""
+    where = f"{op} {url}"
+    if isinstance(exc, bx.ClientError):
+        return _map_client_error(exc, where, missing)
+    if isinstance(exc, _CREDENTIAL_ERRORS):
+        return AccessDenied(f"{where}: no usable credentials ({type(exc).__name__})")
+    if isinstance(exc, ShortBody):
+        return BadResponse(f"{where}: {exc}")
+    if is_temp_failure(exc):
+        return Unreachable(f"{where}: {type(exc).__name__}: {exc}")
+    return StoreError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _map_client_error(exc: bx.ClientError, where: str, missing: type[StoreError]) -> StoreError:
+    code, status = _code_and_status(exc)
+    label = code or str(status)
+    if code == "NoSuchBucket":
+        return NoSuchBucket(f"{where}: no such bucket")
+    if code in _DENIED_CODES or status == 403:
+        return AccessDenied(f"{where}: access denied ({label})")
+    if code in _CHANGED_CODES or status == 412:
+        return VersionChanged(f"{where}: object changed since it was opened ({label})")
+    if code in _MISSING_CODES or status == 404:
+        return missing(f"{where}: not found ({label})")
+    if is_temp_failure(exc):
+        return Unreachable(f"{where}: server kept failing ({label})")
+    return StoreError(f"{where}: {label}: {exc.response.get('Error', {}).get('Message', '')}")
+
+
+# --- the client ---------------------------------------------------------------------------------
+
+def make_client(options: S3Options) -> Any:
+    """One thread-safe boto3 S3 client: path-style, big pool, no botocore retries."""
+    if options.endpoint_url and "@" in options.endpoint_url:
+        raise ConfigError("endpoint URL must not carry credentials")
+    config = Config(s3={"addressing_style": "path"}, max_pool_connections=options.max_connections,
+                    connect_timeout=options.connect_timeout, read_timeout=options.read_timeout,
+                    retries={"total_max_attempts": 1, "mode": "standard"},
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required", tcp_keepalive=True)
+    try:
+        session = boto3.session.Session(profile_name=options.profile)
+    except bx.ProfileNotFound as exc:
+        raise ConfigError(f"AWS profile {options.profile!r} not found") from exc
+    return session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
+
+
+def _status_of(response: dict) -> str:
+    return str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", "error"))
+
+
+def _etag(value: str | None) -> str:
+    return (value or "").strip('"')
+
+
+def _info(path: str, obj: dict) -> ObjectInfo:
+    size = obj.get("Size", obj.get("ContentLength", 0))
+    return ObjectInfo(path=path, size=size, mtime=obj["LastModified"].timestamp(), etag=_etag(obj.get("ETag")))
+
+
+# --- GET verification ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Want:
+    url: str
+    etag: str
+    start: int
+    end: int
+    size: int
+
+    @property
+    def ranged(self) -> bool:
+        return not (self.start == 0 and self.end == self.size)
+
+
+def verify_get(want: _Want, response: dict, body: bytes) -> bytes:
+    """The bytes [start, end) from a GET answer, or VersionChanged / BadResponse / ShortBody."""
+    got = _etag(response.get("ETag"))
+    if got and want.etag and got != want.etag:
+        raise VersionChanged(f"get {want.url}: object changed (ETag {got}, pinned {want.etag})")
+    status = int(response["ResponseMetadata"]["HTTPStatusCode"])
+    if want.ranged:
+        body = _ranged_body(want, status, response.get("ContentRange"), body)
+    elif status != 200:
+        raise BadResponse(f"get {want.url}: whole-object GET answered {status}")
+    if len(body) != want.end - want.start:
+        raise ShortBody(f"got {len(body)} bytes, asked {want.end - want.start}")
+    return body
+
+
+def _ranged_body(want: _Want, status: int, content_range: str | None, body: bytes) -> bytes:
+    if status == 206:
+        _check_content_range(want, content_range)
+        return body
+    if status == 200 and len(body) == want.size:   # server ignored Range and sent everything
+        return body[want.start:want.end]
+    raise BadResponse(f"get {want.url}: asked bytes {want.start}-{want.end - 1}, "
+                      f"got {status} with {len(body)} bytes")
+
+
+def _check_content_range(want: _Want, content_range: str | None) -> None:
+    match = _CONTENT_RANGE_RE.match(content_range or "")
+    if not match or (int(match[1]), int(match[2])) != (want.start, want.end - 1):
+        raise BadResponse(f"get {want.url}: asked bytes {want.start}-{want.end - 1}, "
+                          f"got Content-Range {content_range!r}")
+    if match[3] != "*" and int(match[3]) != want.size:
+        raise VersionChanged(f"get {want.url}: object size is now {match[3]}, pinned {want.size}")
+
+
+# --- the store ----------------------------------------------------------------------------------
+
+class S3Store(ObjectStore):
+    """An S3 bucket (AWS, Ceph RGW, moto, ...) below an optional root prefix."""
+
+    def __init__(self, bucket: str, prefix: str, *, metrics: Metrics, options: S3Options = S3Options()) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self._root = f"{self.prefix}/" if self.prefix else ""
+        self._metrics = metrics
+        self._options = options
+        self._client = make_client(options)
+        self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
+
+    def _url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def _timed(self, op: str, request: Callable[[], tuple[dict, Any]]) -> tuple[dict, Any]:
+        """Run one HTTP request (``request`` returns (response, payload)) and count it."""
+        started, status = time.monotonic(), "error"
+        try:
+            response, payload = request()
+            status = _status_of(response)
+            return response, payload
+        except bx.ClientError as exc:
+            status = _status_of(exc.response)
+            raise
+        finally:
+            self._metrics.store_requests.labels(op, status).inc()
+            self._metrics.store_latency.labels(op).observe(time.monotonic() - started)
+
+    def _call(self, op: str, key: str, attempt: Callable[[], Any], missing: type[StoreError] = NoSuchKey) -> Any:
+        """``attempt()`` with retries; botocore errors left over become cachefs errors."""
+        try:
+            return call_with_retries(attempt, op=op, is_temp_failure=is_temp_failure,
+                                     max_attempts=self._options.max_attempts, metrics=self._metrics)
+        except _MAPPED as exc:
+            raise map_error(exc, op=op, url=self._url(key), missing=missing) from exc
+
+    def _simple(self, op: str, key: str, method: str, missing: type[StoreError] = NoSuchKey,
+                **kwargs: Any) -> dict:
+        """A retried, counted request whose whole answer is its response dict."""
+        call = getattr(self._client, method)
+
+        def request() -> tuple[dict, None]:
+            return call(**kwargs), None
+        return self._call(op, key, lambda: self._timed(op, request)[0], missing)
+
+    # --- ObjectStore ---
+
+    def check(self) -> None:
+        self._simple("head_bucket", "", "head_bucket", NoSuchBucket, Bucket=self.bucket)
+        if not self.prefix:
+            return
+        page = self._simple("list", self._root, "list_objects_v2", NoSuchBucket,
+                            Bucket=self.bucket, Prefix=self._root, MaxKeys=1)
+        if not page.get("Contents") and not page.get("CommonPrefixes"):
+            raise NoSuchKey(f"no objects under s3://{self.bucket}/{self.prefix}")
+
+    def head(self, path: str) -> ObjectInfo:
+        key = self._root + path
+        response = self._simple("head", key, "head_object", Bucket=self.bucket, Key=key)
+        return _info(path, response)
+
+    def get(self, path: str, start: int, end: int, etag: str, size: int) -> bytes:
+        if not 0 <= start <= end <= size:
+            raise ValueError(f"bad range [{start}, {end}) for an object of {size} bytes")
+        if start == end:
+            return b""
+        key = self._root + path
+        want = _Want(self._url(key), etag, start, end, size)
+        data = self._call("get", key, lambda: self._get_once(key, want))
+        self._metrics.store_bytes.inc(len(data))
+        return data
+
+    def _get_once(self, key: str, want: _Want) -> bytes:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
+        if want.etag:
+            kwargs["IfMatch"] = f'"{want.etag}"'
+        if want.ranged:
+            kwargs["Range"] = f"bytes={want.start}-{want.end - 1}"
+
+        def request() -> tuple[dict, bytes]:
+            response = self._client.get_object(**kwargs)
+            with response["Body"] as body:
+                return response, body.read()   # inside the attempt: a mid-body reset is retried
+        response, body = self._timed("get", request)
+        return verify_get(want, response, body)
+
+    def list_dir(self, prefix: str) -> Listing:
+        full = self._root + prefix
+        listing, dirs = Listing(), {}
+        for page in self._pages(full, delimiter=True):
+            for obj in page.get("Contents", []):
+                self._add_listed(listing, dirs, full, obj)
+            for common in page.get("CommonPrefixes", []):
+                _add_dir(dirs, common["Prefix"][len(full):])
+        listing.dirs = list(dirs)
+        return listing
+
+    def _add_listed(self, listing: Listing, dirs: dict[str, None], full: str, obj: dict) -> None:
+        rel = obj["Key"][len(full):]
+        if "/" in rel:          # "name/" marks a sub-directory ("" is this directory's own marker)
+            _add_dir(dirs, rel)
+        elif rel not in ("", ".", ".."):
+            listing.files.append(_info(obj["Key"][len(self._root):], obj))
+
+    def list_all(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for page in self._pages(self._root + prefix, delimiter=False):
+            for obj in page.get("Contents", []):
+                if not obj["Key"].endswith("/"):
+                    yield _info(obj["Key"][len(self._root):], obj)
+
+    def _pages(self, full: str, *, delimiter: bool) -> Iterator[dict]:
+        """Every ListObjectsV2 page under ``full``; each page retried on its own."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
+        if delimiter:
+            kwargs["Delimiter"] = "/"
+        while True:
+            page = self._simple("list", full, "list_objects_v2", **kwargs)
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            if not page.get("NextContinuationToken"):
+                raise BadResponse(f"list {self._url(full)}: truncated page without a continuation token")
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _add_dir(dirs: dict[str, None], rel: str) -> None:
+    """Record the sub-directory named by the first component of ``rel`` ("name/..." -> "name")."""
+    name = rel.split("/", 1)[0]
+    if name not in ("", ".", ".."):
+        dirs[name] = None

@@ -1,0 +1,56 @@
+"""Shared fixtures: fake AWS credentials, a moto S3 server on loopback, fresh buckets,
+and a guard that fails any test logging an unexpected warning or error."""
+
+import logging
+import os
+import uuid
+
+import pytest
+
+from cachefs.local_s3 import LocalS3Server, local_credentials_env, make_bucket
+
+for _name, _value in {**local_credentials_env(), "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    os.environ.setdefault(_name, _value)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "allow_warnings: the test may log records at WARNING or above")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    with LocalS3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3_server: LocalS3Server) -> str:
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    make_bucket(s3_server.endpoint_url, name)
+    return name
+
+
+class _WarningCollector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def fail_on_logged_warnings(request: pytest.FixtureRequest):
+    collector = _WarningCollector()
+    root = logging.getLogger()
+    root.addHandler(collector)
+    try:
+        yield
+    finally:
+        root.removeHandler(collector)
+    if collector.records and request.node.get_closest_marker("allow_warnings") is None:
+        lines = "\n".join(f"  {r.levelname} {r.name}: {r.getMessage()}" for r in collector.records)
+        pytest.fail(f"unexpected log records at WARNING or above:\n{lines}", pytrace=False)
+
+
+pytest_plugins = ("mounts",)

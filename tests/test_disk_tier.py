@@ -1,0 +1,666 @@
+import errno
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import trio
+import xxhash
+
+from cachefs import disk_tier
+from cachefs.block_key import BlockKey
+from cachefs.disk_tier import BlockHeader, DiskHealth, DiskTier
+from cachefs.errors import CacheDirError
+from cachefs.metrics import Metrics
+
+BS = 64 << 10          # block size used by most tests
+CS = 4096              # chunk size used by most tests
+FILE = BlockHeader.file_size(BS, CS)
+
+
+def key(i: int, etag: str = "v1") -> BlockKey:
+    return BlockKey("s3://bucket", f"data/{i // 100}.bin", etag, BS, i)
+
+
+def blob(i: int, n: int = BS) -> bytes:
+    return random.Random(i).randbytes(n)
+
+
+def make_tier(root: Path, **kw) -> DiskTier:
+    opts = dict(capacity=16 << 20, free_space_ratio=0.0, metrics=Metrics(), fsync=False, chunk_size=CS)
+    opts.update(kw)
+    return DiskTier(root, **opts)
+
+
+def serve(tier: DiskTier, body) -> None:
+    """Run ``tier`` in a fresh trio loop around ``await body()``."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(tier.run)
+            await body()
+            await tier.wait_idle()
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def metric(t: DiskTier, name: str, **labels) -> float:
+    return t._metrics.counter_value(name, **labels)
+
+
+def block_file(root: Path, k: BlockKey) -> Path:
+    d = k.digest()
+    return root / "blocks" / d[:2] / d
+
+
+def disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for sub in ("blocks", "tmp") for p in (root / sub).rglob("*") if p.is_file())
+
+
+def close_handles(tier: DiskTier) -> None:
+    while tier._handles:
+        os.close(tier._handles.popitem()[1].fd)
+
+
+def patch_file(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+# --- format and reads ---------------------------------------------------------------------
+
+def test_round_trip_writes_the_documented_format(tmp_path):
+    tier = make_tier(tmp_path, fsync=True)
+    data = blob(1, 5 * CS + 100)
+
+    async def body():
+        assert await tier.fill(key(1), data)
+        assert tier.contains(key(1)) and tier.block_length(key(1)) == len(data)
+        assert tier.read(key(1), 0, len(data)) == data
+        assert tier.read(key(2), 0, 10) is None
+    serve(tier, body)
+
+    raw = block_file(tmp_path, key(1)).read_bytes()
+    assert len(raw) == 4096 + len(data) and raw[4096:] == data
+    header = BlockHeader.parse(raw)
+    assert (header.length, header.data_len, header.chunk_size) == (4096, len(data), CS)
+    assert header.digests == tuple(xxhash.xxh3_64_intdigest(data[i:i + CS]) for i in range(0, len(data), CS))
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert metric(tier, "cachefs_tier_hits_total", tier="disk") == 1
+    assert metric(tier, "cachefs_tier_misses_total", tier="disk") == 1
+    assert metric(tier, "cachefs_tier_hit_bytes_total", tier="disk") == len(data)
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fill_fsyncs_file_and_directory_before_the_block_is_indexed(tmp_path, monkeypatch, fsync):
+    tier = make_tier(tmp_path, fsync=fsync)
+    events = []
+    real_fdatasync, real_fsync, real_rename = os.fdatasync, os.fsync, os.rename
+    monkeypatch.setattr(os, "fdatasync", lambda fd: events.append("fdatasync") or real_fdatasync(fd))
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(os, "rename", lambda a, b: events.append(("rename", Path(a).parent.name,
+                                                                  Path(b).parent.parent.name))
+                        or real_rename(a, b))
+
+    async def body():
+        events.clear()                      # forget the start-up probe
+        assert await tier.fill(key(1), blob(1))
+    serve(tier, body)
+    rename = ("rename", "tmp", "blocks")
+    assert events == (["fdatasync", rename, "fsync"] if fsync else [rename])
+
+
+def test_partial_reads_at_chunk_boundaries_and_last_partial_chunk(tmp_path):
+    tier = make_tier(tmp_path)
+    data = blob(2, 5 * CS + 100)
+    n = len(data)
+    offsets = [0, 1, CS - 1, CS, CS + 1, 2 * CS - 1, 4 * CS, 5 * CS - 1, 5 * CS, n - 1, n, n + 7]
+    sizes = [0, 1, 99, 100, CS - 1, CS, CS + 1, 3 * CS, n, 1 << 30]
+
+    async def body():
+        assert await tier.fill(key(2), data)
+        for offset in offsets:
+            for size in sizes:
+                close_handles(tier)
+                assert tier.read(key(2), offset, size) == data[offset:offset + size], (offset, size)
+                assert tier.read(key(2), offset, size) == data[offset:offset + size], (offset, size)
+    serve(tier, body)
+    assert metric(tier, "cachefs_corrupt_blocks_total") == 0
+
+
+def test_read_preads_only_the_chunks_it_covers(tmp_path):
+    tier = make_tier(tmp_path)
+    data = blob(3, 8 * CS)
+    calls = []
+
+    def pread(fd, n, offset):
+        calls.append((n, offset))
+        return os.pread(fd, n, offset)
+    tier._pread = pread
+
+    async def body():
+        assert await tier.fill(key(3), data)
+        assert tier.read(key(3), 10, 100) == data[10:110]                    # cold, chunk 0
+        assert calls == [(4096 + CS, 0)]                                      # header + data, one call
+        calls.clear()
+        assert tier.read(key(3), 2 * CS + 5, CS) == data[2 * CS + 5:3 * CS + 5]   # warm: chunks 2-3
+        assert calls == [(2 * CS, 4096 + 2 * CS)]
+        close_handles(tier)
+        calls.clear()
+        assert tier.read(key(3), 6 * CS, CS) == data[6 * CS:7 * CS]           # cold, later chunk
+        assert calls == [(4096, 0), (CS, 4096 + 6 * CS)]
+    serve(tier, body)
+
+
+def test_hot_block_keeps_its_file_open(tmp_path, monkeypatch):
+    tier = make_tier(tmp_path)
+    tier._max_open = 4
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **kw: opened.append(str(p)) or real_open(p, *a, **kw))
+
+    async def body():
+        for i in range(10):
+            assert await tier.fill(key(i), blob(i))
+        opened.clear()
+        for _ in range(5):
+            assert tier.read(key(0), 0, 100) == blob(0)[:100]
+        assert len(opened) == 1
+        for i in range(10):
+            tier.read(key(i), 0, 100)
+        assert len(tier._handles) == 4
+        fds = [h.fd for h in tier._handles.values()]
+        tier.discard(key(9))
+        with pytest.raises(OSError):
+            os.fstat(fds[-1])
+    serve(tier, body)
+    assert tier._handles == {}
+
+
+# --- corruption ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_corrupt_data_byte_is_dropped_counted_and_refilled(tmp_path, warm):
+    tier = make_tier(tmp_path)
+    data = blob(4, 6 * CS)
+    path = block_file(tmp_path, key(4))
+
+    async def body():
+        assert await tier.fill(key(4), data)
+        if warm:
+            assert tier.read(key(4), 0, CS) == data[:CS]
+        flip_byte(path, 4096 + 3 * CS + 7)
+        assert tier.read(key(4), 0, CS) == data[:CS]          # chunk 3 is not touched: served
+        assert tier.read(key(4), 2 * CS, 2 * CS) is None      # chunk 3 is: dropped, never served
+        assert metric(tier, "cachefs_corrupt_blocks_total") == 1
+        assert not tier.contains(key(4))
+        await tier.wait_idle()
+        assert not path.exists()
+        assert tier.read(key(4), 0, 10) is None
+        assert await tier.fill(key(4), data)
+        assert tier.read(key(4), 0, len(data)) == data
+    serve(tier, body)
+    assert tier.stats()["used_bytes"] == disk_bytes(tmp_path)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_truncated_block_is_dropped(tmp_path, warm):
+    tier = make_tier(tmp_path)
+    data = blob(5, 6 * CS)
+    path = block_file(tmp_path, key(5))
+
+    async def body():
+        assert await tier.fill(key(5), data)
+        if warm:
+            assert tier.read(key(5), 0, 10) == data[:10]
+        os.truncate(path, 4096 + 3 * CS + 100)
+        if warm:       # the open file's chunks 0-2 are intact; the short pread of chunk 3 is caught
+            assert tier.read(key(5), 3 * CS, 2 * CS) is None
+        else:          # the file size no longer matches its header: dropped before any chunk
+            assert tier.read(key(5), 0, 10) is None
+        assert metric(tier, "cachefs_corrupt_blocks_total") == 1
+        await tier.wait_idle()
+        assert not path.exists() and not tier.contains(key(5))
+    serve(tier, body)
+
+
+@pytest.mark.parametrize("where", ["magic", "length", "chunk digest", "header digest", "garbage", "empty"])
+def test_bad_header_is_dropped(tmp_path, where):
+    tier = make_tier(tmp_path)
+    data = blob(6, 6 * CS)
+    path = block_file(tmp_path, key(6))
+
+    async def body():
+        assert await tier.fill(key(6), data)
+        if where == "garbage":
+            patch_file(path, 0, random.Random(0).randbytes(4096))
+        elif where == "empty":
+            os.truncate(path, 0)
+        else:
+            flip_byte(path, {"magic": 0, "length": 8, "chunk digest": 24 + 8 * 2,
+                             "header digest": 24 + 8 * 6}[where])
+        assert tier.block_length(key(6)) == len(data)         # known from the fill, no I/O
+        assert tier.read(key(6), 0, 10) is None
+        assert metric(tier, "cachefs_corrupt_blocks_total") == 1
+        await tier.wait_idle()
+        assert not path.exists()
+    serve(tier, body)
+
+
+def test_missing_file_is_a_miss(tmp_path):
+    tier = make_tier(tmp_path)
+
+    async def body():
+        assert await tier.fill(key(7), blob(7))
+        block_file(tmp_path, key(7)).unlink()
+        assert tier.read(key(7), 0, 10) is None
+        assert not tier.contains(key(7))
+    serve(tier, body)
+
+
+# --- capacity and eviction ----------------------------------------------------------------
+
+def test_capacity_never_exceeded_under_many_fills(tmp_path):
+    capacity = 10 * FILE + 12345
+    tier = make_tier(tmp_path, capacity=capacity, fill_workers=4)
+    real_write = tier._write_file
+    lock = threading.Lock()
+    ledger = {"now": 0, "peak": 0}          # bytes on disk, an upper bound at every instant
+
+    def write_with_ledger(doomed, tmp, final, data, chunk_size, fsync):
+        with lock:                           # unlink the evicted files, then count the new one
+            for path in doomed:
+                if path.exists():
+                    ledger["now"] -= path.stat().st_size
+                    path.unlink()
+            ledger["now"] += BlockHeader.file_size(len(data), chunk_size)
+            ledger["peak"] = max(ledger["peak"], ledger["now"])
+        return real_write([], tmp, final, data, chunk_size, fsync)
+    tier._write_file = write_with_ledger
+    rng = random.Random(8)
+
+    async def body():
+        for i in range(60):                       # one at a time, mixed sizes
+            assert await tier.fill(key(i), blob(i, rng.randrange(1, BS + 1)))
+            assert tier.stats()["used_bytes"] <= capacity
+            assert disk_bytes(tmp_path) <= capacity
+        for i in range(60, 200):                  # many at once
+            tier.start_fill(key(i), blob(i, rng.randrange(1, BS + 1)))
+            assert tier.stats()["used_bytes"] <= capacity
+            if i % 10 == 0:
+                await trio.sleep(0)
+        while tier._inflight:
+            assert tier.stats()["used_bytes"] <= capacity
+            await trio.sleep(0.001)
+        await tier.wait_idle()
+        stats = tier.stats()
+        assert stats["used_bytes"] == disk_bytes(tmp_path) <= capacity
+        assert metric(tier, "cachefs_tier_used_bytes", tier="disk") == stats["used_bytes"]
+        assert metric(tier, "cachefs_tier_blocks", tier="disk") == stats["blocks"]
+        assert metric(tier, "cachefs_tier_capacity_bytes", tier="disk") == capacity
+        assert metric(tier, "cachefs_evictions_total", tier="disk") >= 150
+    serve(tier, body)
+    assert 9 * FILE < ledger["peak"] <= capacity
+
+
+def test_block_that_can_never_fit_is_dropped(tmp_path):
+    tier = make_tier(tmp_path, capacity=FILE - 1)
+
+    async def body():
+        assert not tier.start_fill(key(1), blob(1))
+        assert not await tier.fill(key(1), blob(1))
+        assert tier.start_fill(key(2), blob(2, 100))
+    serve(tier, body)
+    assert metric(tier, "cachefs_dropped_fills_total", tier="disk", reason="no_space") == 2
+    assert tier.stats()["blocks"] == 1
+
+
+def test_free_space_watermark(tmp_path):
+    mib = 1 << 20
+    tier = make_tier(tmp_path, capacity=1 << 30, free_space_ratio=0.25, chunk_size=128 << 10)
+    fs = {"base": 30 * mib}                       # free bytes when the cache is empty
+
+    def statvfs(path):
+        free = fs["base"] - disk_bytes(tmp_path)
+        return SimpleNamespace(f_frsize=4096, f_blocks=100 * mib // 4096, f_bavail=free // 4096)
+    tier._statvfs = statvfs
+    tier._fs_ttl = 0.0
+    block = 1 << 20
+
+    async def body():
+        for i in range(10):
+            assert await tier.fill(key(i), blob(i, block))
+            assert fs["base"] - disk_bytes(tmp_path) >= 25 * mib
+        assert tier.stats()["blocks"] == 4
+        fs["base"] = 27 * mib                     # another process took 3 MiB
+        assert await tier.fill(key(10), blob(10, block))
+        assert fs["base"] - disk_bytes(tmp_path) >= 25 * mib
+        assert tier.stats()["blocks"] == 1
+        fs["base"] = 20 * mib                     # cannot be met even by evicting everything
+        evicted = metric(tier, "cachefs_evictions_total", tier="disk")
+        assert not await tier.fill(key(11), blob(11, block))
+        assert metric(tier, "cachefs_dropped_fills_total", tier="disk", reason="no_space") == 1
+        assert metric(tier, "cachefs_evictions_total", tier="disk") == evicted
+        assert tier.contains(key(10))
+    serve(tier, body)
+
+
+def test_free_space_is_sampled_at_most_once_per_ttl(tmp_path):
+    tier = make_tier(tmp_path)
+    calls = []
+    tier._statvfs = lambda p: calls.append(p) or os.statvfs(p)
+
+    async def body():
+        for i in range(20):
+            assert await tier.fill(key(i), blob(i, 100))
+    serve(tier, body)
+    assert len(calls) == 1
+
+
+def _hot_set_after_scan(tmp_path, hits: int) -> list[bool]:
+    tier = make_tier(tmp_path, capacity=10 * FILE)
+    hot = [key(1000 + i) for i in range(4)]
+
+    async def body():
+        for k in hot:
+            assert await tier.fill(k, blob(k.index))
+            for _ in range(hits):
+                assert tier.read(k, 0, BS) == blob(k.index)
+        for i in range(30):                       # one pass over 3x the capacity
+            assert await tier.fill(key(i), blob(i))
+            assert tier.stats()["protected_bytes"] <= 0.8 * tier.capacity
+    serve(tier, body)
+    return [tier.contains(k) for k in hot]
+
+
+def test_hot_set_survives_a_scan(tmp_path):
+    assert _hot_set_after_scan(tmp_path / "hot", hits=1) == [True] * 4
+    assert _hot_set_after_scan(tmp_path / "cold", hits=0) == [False] * 4
+
+
+def test_protected_segment_is_capped(tmp_path):
+    tier = make_tier(tmp_path, capacity=10 * FILE)
+
+    async def body():
+        for i in range(10):
+            assert await tier.fill(key(i), blob(i))
+            assert tier.read(key(i), 0, 1) is not None
+            assert tier.stats()["protected_bytes"] <= 0.8 * tier.capacity
+        assert await tier.fill(key(10), blob(10))      # evicts from probation: a demoted block
+        assert all(tier.contains(key(i)) for i in range(9, 11))
+    serve(tier, body)
+
+
+# --- restart ------------------------------------------------------------------------------
+
+def test_restart_rebuilds_index_and_evicts_oldest_mtime_first(tmp_path):
+    first = make_tier(tmp_path, capacity=5 * FILE)
+
+    async def fill_five():
+        for i in range(5):
+            assert await first.fill(key(i), blob(i))
+    serve(first, fill_five)
+    now = time.time()
+    for i in range(5):                            # block 4 is the oldest, block 0 the newest
+        os.utime(block_file(tmp_path, key(i)), (now - 100 * i, now - 100 * i))
+
+    second = make_tier(tmp_path, capacity=5 * FILE)
+
+    async def body():
+        assert second.stats()["blocks"] == 5 and second.stats()["used_bytes"] == 5 * FILE
+        assert all(second.contains(key(i)) for i in range(5))
+        assert second.block_length(key(3)) == BS
+        assert second.read(key(2), 100, 1000) == blob(2)[100:1100]
+        assert await second.fill(key(5), blob(5))
+        assert not second.contains(key(4))
+        assert all(second.contains(key(i)) for i in (0, 1, 2, 3, 5))
+    serve(second, body)
+
+
+def test_restart_with_smaller_capacity_shrinks(tmp_path):
+    first = make_tier(tmp_path)
+
+    async def fill_six():
+        for i in range(6):
+            assert await first.fill(key(i), blob(i))
+    serve(first, fill_six)
+    now = time.time()
+    for i in range(6):                            # block 0 is the oldest
+        os.utime(block_file(tmp_path, key(i)), (now - 100 + i, now - 100 + i))
+    second = make_tier(tmp_path, capacity=3 * FILE)
+
+    async def body():
+        assert second.stats()["used_bytes"] <= 3 * FILE
+    serve(second, body)
+    assert disk_bytes(tmp_path) <= 3 * FILE
+    assert [second.contains(key(i)) for i in range(6)] == [False] * 3 + [True] * 3
+
+
+def test_stale_temp_files_removed_and_strangers_ignored(tmp_path):
+    (tmp_path / "tmp").mkdir(parents=True)
+    (tmp_path / "blocks" / "ab").mkdir(parents=True)
+    for name in ("x.1234.tmp", "probe.tmp", "y"):
+        (tmp_path / "tmp" / name).write_bytes(b"half a block")
+    (tmp_path / "blocks" / "ab" / "not-a-digest").write_bytes(b"x")
+    (tmp_path / "blocks" / "ab" / ("cd" * 20)).write_bytes(b"x")    # wrong fan-out directory
+    tier = make_tier(tmp_path)
+
+    async def body():
+        assert list((tmp_path / "tmp").iterdir()) == []
+        assert tier.stats()["blocks"] == 0
+    serve(tier, body)
+
+
+def test_temp_file_is_removed_when_a_write_fails(tmp_path, monkeypatch):
+    tier = make_tier(tmp_path)
+
+    async def body():
+        monkeypatch.setattr(os, "rename", _failing)
+        assert not await tier.fill(key(1), blob(1))
+        monkeypatch.undo()
+        assert not tier.contains(key(1)) and tier.read(key(1), 0, 1) is None
+        assert list((tmp_path / "tmp").iterdir()) == []
+        assert tier.stats()["used_bytes"] == 0
+    serve(tier, body)
+    assert metric(tier, "cachefs_disk_errors_total", op="write") == 1
+    assert metric(tier, "cachefs_dropped_fills_total", tier="disk", reason="error") == 1
+
+
+# --- fill queue ---------------------------------------------------------------------------
+
+def test_queue_full_drop_counted(tmp_path):
+    tier = make_tier(tmp_path, max_pending_fill_bytes=2 * BS + BS // 2)
+
+    async def body():
+        results = [tier.start_fill(key(i), blob(i)) for i in range(5)]
+        assert results == [True, True, False, False, False]
+        assert tier.start_fill(key(0), blob(0))               # in flight: no new job
+        assert tier.stats()["pending_fill_bytes"] == 2 * BS
+        await tier.wait_idle()
+        assert tier.stats()["pending_fill_bytes"] == 0
+        assert tier.start_fill(key(1), blob(1))               # cached: nothing queued
+        assert tier.stats()["pending_fill_bytes"] == 0
+        assert tier.read(key(1), 0, BS) == blob(1)
+    serve(tier, body)
+    assert metric(tier, "cachefs_dropped_fills_total", tier="disk", reason="queue_full") == 3
+
+
+def test_discard_removes_block_and_cancels_inflight_fill(tmp_path):
+    tier = make_tier(tmp_path)
+
+    async def body():
+        assert await tier.fill(key(1), blob(1))
+        assert tier.read(key(1), 0, 10) is not None
+        tier.discard(key(1))
+        assert not tier.contains(key(1)) and tier.read(key(1), 0, 10) is None
+        tier.start_fill(key(2), blob(2))
+        tier.discard(key(2))                                   # queued, then discarded
+        await tier.wait_idle()
+        assert not tier.contains(key(2))
+        assert disk_bytes(tmp_path) == 0 and tier.stats()["used_bytes"] == 0
+        assert await tier.fill(key(1), blob(1))                # refill after a discard
+        assert tier.read(key(1), 0, BS) == blob(1)
+    serve(tier, body)
+
+
+def test_fill_workers_run_in_threads_and_wait_for_old_unlinks(tmp_path, monkeypatch):
+    tier = make_tier(tmp_path, fill_workers=2)
+    threads = set()
+    real_write, real_unlink = tier._write_file, disk_tier._unlink_paths
+
+    def write(*args):
+        threads.add(threading.get_ident())
+        return real_write(*args)
+    tier._write_file = write
+
+    def slow_unlink(paths):
+        if paths:
+            time.sleep(0.2)
+        return real_unlink(paths)
+    monkeypatch.setattr(disk_tier, "_unlink_paths", slow_unlink)
+
+    async def body():
+        for i in range(8):
+            tier.start_fill(key(i), blob(i))
+        await tier.wait_idle()
+        tier.discard(key(3))
+        assert tier.start_fill(key(3), blob(3))        # must not be removed by the slow unlink
+        await tier.wait_idle()
+        assert tier.read(key(3), 0, BS) == blob(3)
+    serve(tier, body)
+    assert threads and threading.get_ident() not in threads
+    assert block_file(tmp_path, key(3)).exists()
+
+
+# --- health -------------------------------------------------------------------------------
+
+def _failing(*args, **kwargs):
+    raise OSError(errno.EIO, "injected I/O error")
+
+
+@pytest.mark.allow_warnings
+def test_disk_errors_make_the_tier_unstable_then_down_then_it_recovers(tmp_path):
+    tier = make_tier(tmp_path, health=DiskHealth(cooldown=0.3))
+    calls = []
+
+    def counting_failure(*args):
+        calls.append(args)
+        _failing()
+
+    async def body():
+        for i in range(12):
+            assert await tier.fill(key(i), blob(i))
+        real_pread = tier._pread
+        tier._pread = counting_failure
+        for i in range(3):
+            assert tier.read(key(i), 0, 10) is None
+        assert tier.stats()["health"] == "unstable"
+        assert metric(tier, "cachefs_disk_health") == 1
+        assert not tier.start_fill(key(50), blob(50))                  # no new fills
+        assert metric(tier, "cachefs_dropped_fills_total", tier="disk", reason="unhealthy") == 1
+        tier._pread = real_pread
+        assert tier.read(key(3), 0, 10) == blob(3)[:10]               # reads still served
+        close_handles(tier)
+        tier._pread = counting_failure
+        for i in range(4, 11):
+            assert tier.read(key(i), 0, 10) is None
+        assert tier.stats()["health"] == "down"
+        assert metric(tier, "cachefs_disk_health") == 2
+        calls.clear()
+        assert tier.read(key(11), 0, 10) is None                      # bypassed: no I/O at all
+        assert calls == [] and not tier.contains(key(11)) and tier.block_length(key(11)) is None
+        tier._pread = real_pread
+        with trio.fail_after(5):
+            while tier.stats()["health"] != "healthy":
+                await trio.sleep(0.05)
+        assert metric(tier, "cachefs_disk_health") == 0
+        assert tier.read(key(11), 0, 10) == blob(11)[:10]
+        assert await tier.fill(key(50), blob(50))
+    serve(tier, body)
+    assert metric(tier, "cachefs_disk_errors_total", op="read") == 10
+
+
+@pytest.mark.allow_warnings
+def test_failed_probe_keeps_the_tier_down(tmp_path):
+    tier = make_tier(tmp_path, health=DiskHealth(unstable_errors=2, down_errors=2, cooldown=0.1))
+    tier._write_file = _failing
+
+    async def body():
+        assert not await tier.fill(key(1), blob(1))
+        assert not await tier.fill(key(2), blob(2))
+        assert tier.stats()["health"] == "down"
+        tier._probe = _failing
+        await trio.sleep(0.5)
+        assert tier.stats()["health"] == "down"
+        assert metric(tier, "cachefs_disk_errors_total", op="probe") >= 1
+        tier._probe = lambda *a: None
+        with trio.fail_after(5):
+            while tier.stats()["health"] != "healthy":
+                await trio.sleep(0.05)
+    serve(tier, body)
+    assert metric(tier, "cachefs_disk_errors_total", op="write") == 2
+    assert metric(tier, "cachefs_dropped_fills_total", tier="disk", reason="error") == 2
+
+
+def test_disk_full_on_write_is_a_no_space_drop_not_a_health_error(tmp_path):
+    tier = make_tier(tmp_path, health=DiskHealth(unstable_errors=1))
+
+    def enospc(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    tier._write_file = enospc
+
+    async def body():
+        assert not await tier.fill(key(1), blob(1))
+        assert tier.stats()["health"] == "healthy" and tier.stats()["used_bytes"] == 0
+    serve(tier, body)
+    assert metric(tier, "cachefs_dropped_fills_total", tier="disk", reason="no_space") == 1
+
+
+def test_health_window_forgets_old_errors():
+    now = [0.0]
+    health = DiskHealth(unstable_errors=3, down_errors=5, window=10.0, cooldown=5.0, clock=lambda: now[0])
+    for t in (0, 1, 12, 13):
+        now[0] = t
+        health.record_error()
+    assert health.name == "healthy"
+    now[0] = 14
+    assert health.record_error() and health.name == "unstable"
+    now[0] = 18
+    assert not health.probe_due()
+    now[0] = 19
+    assert health.probe_due()
+    health.recovered()
+    assert health.name == "healthy" and not health.probe_due()
+
+
+# --- the cache root -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["under a file", "is a file"])
+def test_unusable_cache_root_raises_cache_dir_error(tmp_path, layout):
+    (tmp_path / "afile").write_bytes(b"x")
+    root = tmp_path / "afile" / "cache" if layout == "under a file" else tmp_path / "afile"
+    tier = make_tier(root)
+    with pytest.raises(CacheDirError) as info:
+        trio.run(tier.run)
+    assert str(root) in str(info.value) and "\n" not in str(info.value)
+    assert info.value.exit_code == 8
+
+
+def test_unwritable_cache_dir_raises_cache_dir_error(tmp_path, monkeypatch):
+    def read_only(*args):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr("cachefs.disk_tier._probe_dir", read_only)
+    tier = make_tier(tmp_path)
+    with pytest.raises(CacheDirError, match="Read-only file system"):
+        trio.run(tier.run)
