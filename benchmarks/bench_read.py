@@ -179,9 +179,15 @@ class Bench:
 
     def verify_large(self, root: Path, key: str) -> None:
         """Hash the large file again, untimed; a mismatch marks the row as failed."""
-        if readers.hash_file(root / self.large.path) != self.large.xxh3:
-            self.results[key].tally.bad_hash += 1
-        self.results[key].tally.verified += 1
+        tally = self.results[key].tally
+        try:
+            digest = readers.hash_file(root / self.large.path)
+        except OSError as exc:
+            tally.error(f"{self.large.path}: verifying: {exc}")
+            return
+        tally.verified += 1
+        if digest != self.large.xxh3:
+            tally.bad_hash += 1
 
 
 def settle(mnt: CachefsMount, timeout: float = 120.0) -> dict:

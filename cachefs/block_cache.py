@@ -16,7 +16,7 @@ import trio
 
 from .block_key import BlockKey
 from .disk_tier import DiskTier
-from .errors import StoreError, VersionChanged
+from .errors import StoreError
 from .memory_tier import MemoryTier
 from .metrics import Metrics
 from .singleflight import SingleFlight
@@ -111,15 +111,9 @@ class BlockCache:
     async def _fetch(self, f: FileVersion, key: BlockKey) -> bytes:
         start = key.offset
         end = min(start + self.block_size, f.size)
-        try:
-            data = await trio.to_thread.run_sync(
-                self.store.get, f.path, start, end, f.etag, f.size, limiter=self._fetch_limiter)
-        except VersionChanged:
-            log.info("%s changed in the store while open (pinned ETag %s)", f.path, f.etag)
-            raise
-        except StoreError as exc:
-            log.error("read of %s bytes %d-%d failed: %s", f.path, start, end, exc)
-            raise
+        # Errors propagate to the one choke point in fuse_ops, which logs them once.
+        data = await trio.to_thread.run_sync(
+            self.store.get, f.path, start, end, f.etag, f.size, limiter=self._fetch_limiter)
         self.memory.put(key, data)
         if self.disk is not None:
             self.disk.start_fill(key, data)
@@ -150,7 +144,7 @@ class BlockCache:
         try:
             await self._flights.do(key, lambda: self._fetch(f, key))
             self.metrics.readahead_blocks.inc()
-        except StoreError:
-            pass  # the foreground read will retry and report
+        except StoreError as exc:
+            log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
         finally:
             self._prefetching -= 1

@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 _TIER = "disk"
 _HEADER_ALIGN = 4096
 _MAX_CHUNKS = 1 << 20
+_COMBINED_READ_MAX = 256 << 10     # read at most this much data together with the header
 _DIGEST_NAME = re.compile(r"[0-9a-f]{40}")
 _xxh = xxhash.xxh3_64_intdigest
 
@@ -275,6 +276,22 @@ class _FillJob:
     cancelled: bool = False
 
 
+@dataclass(slots=True)
+class _Room:
+    """Space reserved for one fill: its file size and the files evicted to make room."""
+    size: int
+    doomed: list[str] = field(default_factory=list)
+    freed: int = 0
+
+    @property
+    def hold(self) -> int:          # capacity held while the thread runs
+        return max(self.size, self.freed)
+
+    @property
+    def grow(self) -> int:          # most the filesystem can lose to this fill
+        return max(0, self.size - self.freed)
+
+
 class DiskTier:
     """Block files under ``root``, at most ``capacity`` bytes (headers included)."""
 
@@ -313,6 +330,9 @@ class DiskTier:
         self._statvfs = os.statvfs
         self._write_file = _write_block_file
         self._probe = _probe_dir
+        self._hits = metrics.tier_hits.labels(_TIER)          # bound once: read() is hot
+        self._misses = metrics.tier_misses.labels(_TIER)
+        self._hit_bytes = metrics.tier_hit_bytes.labels(_TIER)
         metrics.tier_capacity_bytes.labels(_TIER).set(capacity)
         metrics.disk_health.set(self._health.state)
         self._update_gauges()
@@ -358,11 +378,11 @@ class DiskTier:
         if self._health.state != DiskHealth.DOWN and digest in self._index:
             data = self._checked_read(digest, offset, size)
         if data is None:
-            self._metrics.tier_misses.labels(_TIER).inc()
+            self._misses.inc()
             return None
         self._index.touch(digest)
-        self._metrics.tier_hits.labels(_TIER).inc()
-        self._metrics.tier_hit_bytes.labels(_TIER).inc(len(data))
+        self._hits.inc()
+        self._hit_bytes.inc(len(data))
         return data
 
     def block_length(self, key: BlockKey) -> int | None:
@@ -393,10 +413,11 @@ class DiskTier:
         opened = self._handles.get(digest)
         prefix = None
         if opened is None:
-            # read the header and, when the range starts in chunk 0, its data in one pread
-            want = 0
-            if offset < self._chunk_size:
-                want = min(_round_up(offset + size, self._chunk_size), self._index.get(digest).size)
+            # a small range in chunk 0 comes with the header in one pread; a large one is read
+            # apart, so an aligned read returns pread's bytes without a copy
+            want = min(_round_up(offset + size, self._chunk_size), self._index.get(digest).size)
+            if offset >= self._chunk_size or want > _COMBINED_READ_MAX:
+                want = 0
             opened, prefix = self._open(digest, want)
         else:
             self._handles.move_to_end(digest)
@@ -519,51 +540,59 @@ class DiskTier:
             await unlinking.wait()
         if job.cancelled:
             return False
-        if self._health.state != DiskHealth.HEALTHY:
-            self._metrics.dropped_fills.labels(_TIER, "unhealthy").inc()
-            return False
-        size = BlockHeader.file_size(len(job.data), self._chunk_size)
-        try:
-            room = self._reserve(size)
-        except OSError as exc:
-            self._io_error("statvfs", exc)
-            self._metrics.dropped_fills.labels(_TIER, "error").inc()
-            return False
+        room = self._room_for(len(job.data))
         if room is None:
-            self._metrics.dropped_fills.labels(_TIER, "no_space").inc()
             return False
-        doomed, freed = room
-        hold, grow = max(size, freed), max(0, size - freed)
         gone = trio.Event()
-        for digest in doomed:
+        for digest in room.doomed:
             self._unlinking[digest] = gone
         tmp = self._tmp_dir / f"{job.digest}.{secrets.token_hex(4)}.tmp"
+        written = False
         try:
             errors = await trio.to_thread.run_sync(
-                self._write_file, [self._block_path(d) for d in doomed], tmp,
+                self._write_file, [self._block_path(d) for d in room.doomed], tmp,
                 self._block_path(job.digest), job.data, self._chunk_size, self._fsync,
                 limiter=self._limiter)
+            written = True
         except OSError as exc:
-            self._fs_delta += grow + freed
             self._write_failed(exc)
             return False
-        else:
-            self._fs_delta += freed - size + grow
         finally:
-            self._reserved -= hold
-            self._growing -= grow
-            for digest in doomed:
-                del self._unlinking[digest]
+            self._release(room, written)
             gone.set()
-            self._update_gauges()
         for exc in errors:
             self._io_error("unlink", exc)
         if job.cancelled:
-            self._schedule_unlink(job.digest, size)
+            self._schedule_unlink(job.digest, room.size)
             return False
-        self._index.add(job.digest, _Entry(size, len(job.data)))
+        self._index.add(job.digest, _Entry(room.size, len(job.data)))
         self._update_gauges()
         return True
+
+    def _room_for(self, data_len: int) -> _Room | None:
+        """Reserve room for a block file, or count why the fill is dropped and return None."""
+        reason = "unhealthy"
+        if self._health.state == DiskHealth.HEALTHY:
+            try:
+                room = self._reserve(BlockHeader.file_size(data_len, self._chunk_size))
+            except OSError as exc:
+                self._io_error("statvfs", exc)
+                room, reason = None, "error"
+            else:
+                reason = "no_space"
+            if room is not None:
+                return room
+        self._metrics.dropped_fills.labels(_TIER, reason).inc()
+        return None
+
+    def _release(self, room: _Room, written: bool) -> None:
+        """Return a reservation once its thread is done (evicted files unlinked by then)."""
+        self._reserved -= room.hold
+        self._growing -= room.grow
+        self._fs_delta += room.grow + room.freed - (room.size if written else 0)
+        for digest in room.doomed:
+            del self._unlinking[digest]
+        self._update_gauges()
 
     def _write_failed(self, exc: OSError) -> None:
         if exc.errno == errno.ENOSPC:
@@ -577,27 +606,27 @@ class DiskTier:
 
     # -- space --
 
-    def _reserve(self, size: int) -> tuple[list[str], int] | None:
+    def _reserve(self, size: int) -> _Room | None:
         """Make room for a file of ``size`` bytes by evicting; None if room cannot be made.
 
-        Returns the evicted digests and their bytes. Their files stay on disk until the
-        fill's thread unlinks them (just before it writes), so the fill holds
-        ``max(size, freed)`` bytes of the capacity until it is done: the bytes on disk never
-        exceed the index bytes plus ``_reserved``, which never exceed ``capacity``.
+        The evicted files stay on disk until the fill's thread unlinks them (just before it
+        writes), so the fill holds ``max(size, freed)`` bytes of the capacity until it is done:
+        the bytes on disk never exceed the index bytes plus ``_reserved``, which never exceed
+        ``capacity``. For the free-space estimate the fill takes ``grow`` bytes at most.
         """
         free, want = self._fs_room()
         if self._reserved + size > self.capacity or free + self._index.bytes - size < want:
             return None
-        doomed, freed = [], 0
-        while self._index.bytes + self._reserved + size > self.capacity or free + freed - size < want:
+        room = _Room(size)
+        while (self._index.bytes + self._reserved + size > self.capacity
+               or free + room.freed - size < want):
             digest = self._index.victim()
-            freed += self._evict(digest)
-            doomed.append(digest)
-        grow = max(0, size - freed)
-        self._reserved += max(size, freed)
-        self._growing += grow
-        self._fs_delta -= grow
-        return doomed, freed
+            room.freed += self._evict(digest)
+            room.doomed.append(digest)
+        self._reserved += room.hold
+        self._growing += room.grow
+        self._fs_delta -= room.grow
+        return room
 
     def _fs_room(self) -> tuple[int, float]:
         """(bytes free now, by our estimate; bytes that must stay free)."""

@@ -160,6 +160,11 @@ def test_read_preads_only_the_chunks_it_covers(tmp_path):
         calls.clear()
         assert tier.read(key(3), 6 * CS, CS) == data[6 * CS:7 * CS]           # cold, later chunk
         assert calls == [(4096, 0), (CS, 4096 + 6 * CS)]
+        big = blob(4, 80 * CS)                                                # 320 KiB
+        assert await tier.fill(key(4), big)
+        calls.clear()
+        assert tier.read(key(4), 0, len(big)) == big                          # cold, large: no copy
+        assert calls == [(4096, 0), (len(big), 4096)]
     serve(tier, body)
 
 
