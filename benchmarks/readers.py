@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -137,17 +138,25 @@ def read_files(name: str, root: Path, order: list[Entry], readers: int,
     try:
         barrier.wait(timeout=60)
         start = time.monotonic()
-        ends, total = collect(results, readers, timeout)
+        ends, total = collect(results, procs, timeout)
     finally:
         reap(procs)
     return Result(name, max(ends) - start, total)
 
 
-def collect(results, count: int, timeout: float) -> tuple[list[float], Tally]:
+def collect(results, procs, timeout: float) -> tuple[list[float], Tally]:
+    """One (end time, tally) per process; fails fast if a reader dies, or after ``timeout``."""
     ends, total = [], Tally()
     deadline = time.monotonic() + timeout
-    for _ in range(count):
-        end, tally = results.get(timeout=max(1.0, deadline - time.monotonic()))
+    while len(ends) < len(procs):
+        try:
+            end, tally = results.get(timeout=1.0)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a reader process died") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"readers still busy after {timeout:.0f} s") from None
+            continue
         ends.append(end)
         total.add(tally)
     return ends, total

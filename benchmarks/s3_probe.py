@@ -97,7 +97,7 @@ def get_throughput(endpoint: str, entries: list[Entry], concurrency: int, procs:
         w.start()
     barrier.wait(timeout=120)
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    outcomes = [results.get(timeout=600) for _ in workers]
+    outcomes = [results.get(timeout=600) for _ in workers]   # bounded: 10 min per measurement
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
     readers.reap(workers)
     seconds = max(o[0] for o in outcomes)

@@ -102,7 +102,7 @@ class BlockCache:
         if data is not None:
             return data[lo:hi] if (lo, hi) != (0, len(data)) else data
         if self.disk is not None:
-            got = self.disk.read(key, lo, hi - lo)
+            got = await self.disk.read_async(key, lo, hi - lo)
             if got is not None and len(got) == hi - lo:
                 return got
         data = await self._flights.do(key, lambda: self._fetch(f, key))

@@ -251,7 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
     daemon = sub.add_parser("_daemon")
     daemon.add_argument("ready_fd")
     daemon.set_defaults(func=cmd_daemon)
+    _add_plugin_commands(sub)
     return parser
+
+
+def _add_plugin_commands(sub) -> None:
+    """Subcommands of the packages beside the core (warmup, pack, csi): each registers itself
+    under the ``cachefs.commands`` entry-point group, so the core never imports them."""
+    from importlib.metadata import entry_points
+
+    for entry in sorted(entry_points(group="cachefs.commands"), key=lambda e: e.name):
+        entry.load()(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

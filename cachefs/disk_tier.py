@@ -23,6 +23,15 @@ Concurrency and crash protocol (DESIGN invariants 2, 3, 4, 6)
   thread add the entry to the index and release the reservation.
 * Every unlink (eviction, discard, corrupt block) is registered in ``_unlinking`` until it is
   done; a fill of the same digest waits for it, so an old unlink never removes a new file.
+  Until then its bytes stay counted in ``_reserved`` (a fill holds max(its size, the bytes it
+  evicted)), so ``used_bytes`` is an upper bound of what is on disk, at every instant.
+* Eviction is a segmented LRU (``_SegmentedLRU``): the first read hit after a fill promotes a
+  block to the protected segment (<= 80% of capacity); victims come from probation first.
+  Repeated reads of one block within a pass are absorbed by the memory tier in front, so a
+  one-pass scan never hits the disk tier twice and stays in probation.
+* Health (``DiskHealth``): I/O errors move healthy -> unstable (no new fills) -> down (reads
+  and fills bypass the tier); after a quiet cool-down a probe write in a worker thread brings
+  it back. ENOSPC is a full disk, not a sick one: it drops the fill (no_space) only.
 * Crash states and their one repair: a temp file (crash before the rename) is deleted by
   ``run``; a renamed but unindexed block (crash after the rename) is indexed by the rebuild in
   ``run``; a torn or rotten block fails its checksums on read and is unlinked and refetched;
@@ -200,7 +209,7 @@ class DiskHealth:
 # --- the index: a segmented LRU -------------------------------------------------------------
 
 class _Entry:
-    __slots__ = ("size", "length")
+    __slots__ = ("length", "size")
 
     def __init__(self, size: int, length: int | None) -> None:
         self.size = size          # file size, header included: what counts against capacity
@@ -318,6 +327,7 @@ class DiskTier:
         self._handles: OrderedDict[str, _Open] = OrderedDict()
         self._max_open = 256
         self._limiter = trio.CapacityLimiter(fill_workers)
+        self._read_limiter = trio.CapacityLimiter(16)      # cold reads in flight (like an NVMe queue)
         self._fill_send, self._fill_recv = trio.open_memory_channel[_FillJob](math.inf)
         self._nursery: trio.Nursery | None = None
         self._fs_free = 0                         # statvfs snapshot (bytes available, total)
@@ -413,54 +423,85 @@ class DiskTier:
         opened = self._handles.get(digest)
         prefix = None
         if opened is None:
-            # a small range in chunk 0 comes with the header in one pread; a large one is read
-            # apart, so an aligned read returns pread's bytes without a copy
-            want = min(_round_up(offset + size, self._chunk_size), self._index.get(digest).size)
-            if offset >= self._chunk_size or want > _COMBINED_READ_MAX:
-                want = 0
-            opened, prefix = self._open(digest, want)
+            opened, prefix = self._open(digest, self._combined_want(digest, offset, size))
         else:
             self._handles.move_to_end(digest)
-        header = opened.header
-        end = min(offset + size, header.data_len)
-        if offset >= end:
-            return b""
-        first, cs = offset // header.chunk_size, header.chunk_size
-        lo, hi = first * cs, min(_round_up(end, cs), header.data_len)
-        if prefix is not None and len(prefix) >= header.length + hi:
-            raw = memoryview(prefix)[header.length + lo:header.length + hi]
-        else:
-            raw = self._pread(opened.fd, hi - lo, header.length + lo)
-            if len(raw) != hi - lo:
-                raise CorruptBlock(f"truncated: read {len(raw)} of {hi - lo} bytes at {lo}")
-        header.verify(first, memoryview(raw))
-        if lo == offset and hi == end and isinstance(raw, bytes):
-            return raw
-        return bytes(memoryview(raw)[offset - lo:end - lo])
+        return _read_range(opened.fd, opened.header, offset, size, prefix, self._pread)
+
+    def _combined_want(self, digest: str, offset: int, size: int) -> int:
+        """How much data to read together with the header on a first open (0: apart).
+
+        A small range in chunk 0 comes with the header in one pread; a large one is read
+        apart, so an aligned read returns pread's bytes without a copy."""
+        want = min(_round_up(offset + size, self._chunk_size), self._index.get(digest).size)
+        return 0 if offset >= self._chunk_size or want > _COMBINED_READ_MAX else want
 
     def _open(self, digest: str, want: int) -> tuple[_Open, bytes]:
         try:
-            fd = os.open(self._block_path(digest), os.O_RDONLY | os.O_CLOEXEC)
+            fd, header, buf = _open_block(self._block_path(digest), want, self._pread)
         except FileNotFoundError:
             raise CorruptBlock("file missing") from None
-        try:
-            file_size = os.fstat(fd).st_size
-            buf = self._pread(fd, _HEADER_ALIGN + want, 0)
-            length = BlockHeader.peek_length(buf)
-            if length > _HEADER_ALIGN:
-                buf = self._pread(fd, length + want, 0)
-            header = BlockHeader.parse(buf)
-            if file_size != header.length + header.data_len:
-                raise CorruptBlock(f"file has {file_size} bytes, header says "
-                                   f"{header.length + header.data_len}")
-        except BaseException:
-            os.close(fd)
-            raise
+        return self._remember_open(digest, fd, header), buf
+
+    def _remember_open(self, digest: str, fd: int, header: BlockHeader) -> _Open:
         opened = self._handles[digest] = _Open(fd, header)
         if len(self._handles) > self._max_open:
             os.close(self._handles.popitem(last=False)[1].fd)
         self._index.get(digest).length = header.data_len
-        return opened, buf
+        return opened
+
+    # -- reads that may wait for the disk --
+
+    async def read_async(self, key: BlockKey, offset: int, size: int) -> bytes | None:
+        """Like ``read``, but never blocks the trio thread on the disk: a range whose pages are
+        resident is read inline (``RWF_NOWAIT``); anything else (a cold file, an unopened
+        block) is read and verified in a worker thread, so cold reads proceed in parallel."""
+        digest = key.digest()
+        data = None
+        if self._health.state != DiskHealth.DOWN and digest in self._index:
+            opened = self._handles.get(digest)
+            try:
+                if opened is None:
+                    raise BlockingIOError
+                self._handles.move_to_end(digest)
+                data = _read_range(opened.fd, opened.header, offset, size, None, _pread_nowait)
+            except BlockingIOError:
+                data = await self._read_in_thread(digest, offset, size)
+            except CorruptBlock as exc:
+                self._drop_corrupt(digest, str(exc))
+            except OSError as exc:
+                self._io_error("read", exc)
+                self._drop(digest)
+        if data is None:
+            self._misses.inc()
+            return None
+        if digest in self._index:
+            self._index.touch(digest)
+        self._hits.inc()
+        self._hit_bytes.inc(len(data))
+        return data
+
+    async def _read_in_thread(self, digest: str, offset: int, size: int) -> bytes | None:
+        want = self._combined_want(digest, offset, size)
+        try:
+            fd, header, data = await trio.to_thread.run_sync(
+                _open_and_read, self._block_path(digest), want, offset, size, limiter=self._read_limiter)
+        except FileNotFoundError:
+            return None                   # evicted while the thread ran: a plain miss
+        except CorruptBlock as exc:
+            if digest in self._index:
+                self._drop_corrupt(digest, str(exc))
+            return None
+        except OSError as exc:
+            self._io_error("read", exc)
+            if digest in self._index:
+                self._drop(digest)
+            return None
+        if digest in self._index and digest not in self._handles:
+            self._remember_open(digest, fd, header)
+        else:
+            os.close(fd)
+        return data
 
     # -- fills --
 
@@ -735,6 +776,63 @@ class DiskTier:
             "pending_fill_bytes": self._pending_bytes,
             "health": self._health.name,
         }
+
+
+def _pread_nowait(fd: int, size: int, offset: int) -> bytes:
+    """pread that raises BlockingIOError unless every byte is in the page cache."""
+    buf = bytearray(size)
+    if os.preadv(fd, [buf], offset, os.RWF_NOWAIT) != size:
+        raise BlockingIOError(errno.EAGAIN, "partly resident")   # or truncated: the thread decides
+    return bytes(buf)
+
+
+def _open_block(path: Path, want: int, pread: Callable[[int, int, int], bytes]
+                ) -> tuple[int, BlockHeader, bytes]:
+    """Open a block file and parse its header (reading ``want`` data bytes along with it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)     # FileNotFoundError: the caller decides
+    try:
+        file_size = os.fstat(fd).st_size
+        buf = pread(fd, _HEADER_ALIGN + want, 0)
+        length = BlockHeader.peek_length(buf)
+        if length > _HEADER_ALIGN:
+            buf = pread(fd, length + want, 0)
+        header = BlockHeader.parse(buf)
+        if file_size != header.length + header.data_len:
+            raise CorruptBlock(f"file has {file_size} bytes, header says {header.length + header.data_len}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, header, buf
+
+
+def _read_range(fd: int, header: BlockHeader, offset: int, size: int, prefix: bytes | None,
+                pread: Callable[[int, int, int], bytes]) -> bytes:
+    """Bytes [offset, offset+size) of the block's data, every chunk they touch verified."""
+    end = min(offset + size, header.data_len)
+    if offset >= end:
+        return b""
+    first, cs = offset // header.chunk_size, header.chunk_size
+    lo, hi = first * cs, min(_round_up(end, cs), header.data_len)
+    if prefix is not None and len(prefix) >= header.length + hi:
+        raw = memoryview(prefix)[header.length + lo:header.length + hi]
+    else:
+        raw = pread(fd, hi - lo, header.length + lo)
+        if len(raw) != hi - lo:
+            raise CorruptBlock(f"truncated: read {len(raw)} of {hi - lo} bytes at {lo}")
+    header.verify(first, memoryview(raw))
+    if lo == offset and hi == end and isinstance(raw, bytes):
+        return raw
+    return bytes(memoryview(raw)[offset - lo:end - lo])
+
+
+def _open_and_read(path: Path, want: int, offset: int, size: int) -> tuple[int, BlockHeader, bytes]:
+    """Worker thread: open, parse and read a range of one block file (FileNotFoundError if gone)."""
+    fd, header, prefix = _open_block(path, want, os.pread)
+    try:
+        return fd, header, _read_range(fd, header, offset, size, prefix, os.pread)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _round_up(n: int, multiple: int) -> int:

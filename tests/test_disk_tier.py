@@ -30,7 +30,8 @@ def blob(i: int, n: int = BS) -> bytes:
 
 
 def make_tier(root: Path, **kw) -> DiskTier:
-    opts = dict(capacity=16 << 20, free_space_ratio=0.0, metrics=Metrics(), fsync=False, chunk_size=CS)
+    opts = {"capacity": 16 << 20, "free_space_ratio": 0.0, "metrics": Metrics(), "fsync": False,
+            "chunk_size": CS}
     opts.update(kw)
     return DiskTier(root, **opts)
 
@@ -304,7 +305,7 @@ def test_capacity_never_exceeded_under_many_fills(tmp_path):
             tier.start_fill(key(i), blob(i, rng.randrange(1, BS + 1)))
             assert tier.stats()["used_bytes"] <= capacity
             if i % 10 == 0:
-                await trio.sleep(0)
+                await trio.sleep(0.001)
         while tier._inflight:
             assert tier.stats()["used_bytes"] <= capacity
             await trio.sleep(0.001)
