@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import dataset, readers  # noqa: E402
-from benchmarks.cachefs_mount import CachefsMount, cachefs_available, drop_page_cache  # noqa: E402
-from benchmarks.readers import Result  # noqa: E402
-from benchmarks.s3_servers import ProxyProcess, find_binary, start_server  # noqa: E402
+from benchmarks import dataset, readers
+from benchmarks.cachefs_mount import CachefsMount, cachefs_available, drop_page_cache
+from benchmarks.readers import Result
+from benchmarks.s3_servers import ProxyProcess, find_binary, start_server
 
 MiB = 1 << 20
 BUCKET, PREFIX = "bench", "imagenet"
@@ -150,10 +150,9 @@ class Bench:
     def cachefs_rows(self, endpoint_url: str) -> None:
         mnt_dir, cache_dir = self.args.workdir / "mnt", self.args.workdir / "cache"
         shutil.rmtree(cache_dir, ignore_errors=True)
-        mount = lambda: self.mount(endpoint_url, mnt_dir, cache_dir)  # noqa: E731
-        with mount() as mnt:
+        with self.mount(endpoint_url, mnt_dir, cache_dir) as mnt:
             self.cachefs_cold(mnt)
-        with mount() as mnt:
+        with self.mount(endpoint_url, mnt_dir, cache_dir) as mnt:
             self.cachefs_warm(mnt)
 
     def mount(self, endpoint_url: str, mnt_dir: Path, cache_dir: Path) -> CachefsMount:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 
 def cachefs_command() -> list[str]:
@@ -27,7 +28,7 @@ def cachefs_available() -> str | None:
     """None if ``cachefs mount --help`` works, else why not."""
     try:
         result = subprocess.run(cachefs_command() + ["mount", "--help"], capture_output=True,
-                                text=True, timeout=60)
+                                text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
     return None if result.returncode == 0 else (result.stderr.strip()[-500:] or "failed")
@@ -73,9 +74,9 @@ class CachefsMount:
 
     def run(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         return subprocess.run(cachefs_command() + list(args), capture_output=True, text=True,
-                              env=self.env, timeout=timeout)
+                              env=self.env, timeout=timeout, check=False)
 
-    def __enter__(self) -> CachefsMount:
+    def __enter__(self) -> Self:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         result = self.run("mount", *self.args)
@@ -103,7 +104,8 @@ class CachefsMount:
             return
         result = self.run("umount", str(self.mountpoint), timeout=90)
         if result.returncode != 0 and is_mounted(self.mountpoint):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True,
+                           check=False)
         self._wait_daemon_exit(30.0)
 
     def _wait_daemon_exit(self, timeout: float) -> None:

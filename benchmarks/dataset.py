@@ -151,16 +151,21 @@ def upload(root: Path, entries: list[Entry], endpoint_url: str, bucket: str, pre
     ensure_bucket(client, bucket)
     multipart = TransferConfig(multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB,
                                max_concurrency=4)
-    key = lambda e: f"{prefix.strip('/')}/{e.path}" if prefix.strip("/") else e.path  # noqa: E731
     start = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
         small = [e for e in entries if not e.is_large]
-        list(pool.map(lambda e: client.put_object(Bucket=bucket, Key=key(e),
+        list(pool.map(lambda e: client.put_object(Bucket=bucket, Key=object_key(prefix, e.path),
                                                   Body=(root / e.path).read_bytes()), small))
     for e in entries:
         if e.is_large:
-            client.upload_file(str(root / e.path), bucket, key(e), Config=multipart)
+            client.upload_file(str(root / e.path), bucket, object_key(prefix, e.path),
+                               Config=multipart)
     return time.perf_counter() - start
+
+
+def object_key(prefix: str, path: str) -> str:
+    prefix = prefix.strip("/")
+    return f"{prefix}/{path}" if prefix else path
 
 
 def ensure_bucket(client, bucket: str) -> None:

@@ -57,6 +57,7 @@ import struct
 import sys
 import threading
 import time
+from typing import Self
 
 CHUNK = 256 * 1024
 FAULT_KINDS = ("503", "500", "reset", "hang")
@@ -420,7 +421,7 @@ class LatencyProxy:
             if not self._thread.is_alive():
                 self._loop.close()
 
-    def __enter__(self) -> LatencyProxy:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

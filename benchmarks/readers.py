@@ -27,7 +27,7 @@ from pathlib import Path
 
 import xxhash
 
-from benchmarks.dataset import Entry
+from benchmarks.dataset import Entry, object_key
 
 MiB = 1 << 20
 BUF_SIZE = MiB
@@ -193,8 +193,7 @@ def hash_file(path: Path) -> str:
 
 # ---- S3 objects, in threads ----------------------------------------------------------------------
 def s3_key(prefix: str, entry: Entry) -> str:
-    prefix = prefix.strip("/")
-    return f"{prefix}/{entry.path}" if prefix else entry.path
+    return object_key(prefix, entry.path)
 
 
 def get_object(client, bucket: str, key: str, hasher, chunk: int = MiB) -> int:

@@ -17,14 +17,13 @@ import multiprocessing
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import dataset, readers  # noqa: E402
-from benchmarks.dataset import Entry  # noqa: E402
-from benchmarks.s3_servers import ProxyProcess, start_server  # noqa: E402
+from benchmarks import dataset, readers
+from benchmarks.dataset import Entry
+from benchmarks.s3_servers import ProxyProcess, start_server
 
 BUCKET = "probe"
 OBJECTS = 200

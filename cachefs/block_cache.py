@@ -63,9 +63,10 @@ class BlockCache:
         self.block_size = block_size
         self.readahead_size = readahead_size
         self._fetch_limiter = trio.CapacityLimiter(max_fetches)
+        self._prefetch_limiter = trio.CapacityLimiter(max_prefetches)   # never queues a reader
         self._prefetch_slots = max_prefetches
         self._prefetching = 0
-        self._flights = SingleFlight()
+        self._flights = SingleFlight(on_join=metrics.singleflight_joins.inc)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -105,16 +106,21 @@ class BlockCache:
             got = await self.disk.read_async(key, lo, hi - lo)
             if got is not None and len(got) == hi - lo:
                 return got
-        data = await self._flights.do(key, lambda: self._fetch(f, key))
-        return data[lo:hi] if (lo, hi) != (0, len(data)) else data
+        whole = (lo, hi) == (0, min(self.block_size, f.size - key.offset))
+        data = await self._flights.do(key, lambda: self._fetch(f, key, keep=not whole))
+        return data if whole else data[lo:hi]
 
-    async def _fetch(self, f: FileVersion, key: BlockKey) -> bytes:
+    async def _fetch(self, f: FileVersion, key: BlockKey, keep: bool = True,
+                     limiter: trio.CapacityLimiter | None = None) -> bytes:
+        """GET one block; fill the disk tier, and the memory tier when ``keep`` (a block read
+        whole by one request is in the kernel page cache already: no second copy in memory)."""
         start = key.offset
         end = min(start + self.block_size, f.size)
         # Errors propagate to the one choke point in fuse_ops, which logs them once.
         data = await trio.to_thread.run_sync(
-            self.store.get, f.path, start, end, f.etag, f.size, limiter=self._fetch_limiter)
-        self.memory.put(key, data)
+            self.store.get, f.path, start, end, f.etag, f.size, limiter=limiter or self._fetch_limiter)
+        if keep:
+            self.memory.put(key, data)
         if self.disk is not None:
             self.disk.start_fill(key, data)
         return data
@@ -132,7 +138,8 @@ class BlockCache:
         last = (min(start + window, f.size) - 1) // bs
         for index in range(start // bs, last + 1):
             key = self.key(f, index)
-            if self.is_cached(key):
+            if (self.memory.contains(key) or self._flights.in_flight(key)
+                    or (self.disk is not None and self.disk.filling(key))):
                 continue
             if self._prefetching >= self._prefetch_slots:
                 self.metrics.dropped_fills.labels("readahead", "queue_full").inc()
@@ -142,7 +149,10 @@ class BlockCache:
 
     async def _prefetch(self, f: FileVersion, key: BlockKey) -> None:
         try:
-            await self._flights.do(key, lambda: self._fetch(f, key))
+            if self.disk is not None and self.disk.contains(key):
+                await self.disk.prefetch(key)     # the kernel reads the cache file ahead
+                return
+            await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._prefetch_limiter))
             self.metrics.readahead_blocks.inc()
         except StoreError as exc:
             log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)

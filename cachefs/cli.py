@@ -32,6 +32,8 @@ class _Parser(argparse.ArgumentParser):
 
 # ---- mount ---------------------------------------------------------------------------------------
 def _human(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20:
         for unit, shift in (("T", 40), ("G", 30), ("M", 20)):
             if value % (1 << shift) == 0:
@@ -177,6 +179,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
         pid = next(request(mountpoint, "status"))["pid"]
     except (CachefsError, StopIteration, KeyError):
         pass   # a dead daemon leaves a stale mount: unmount it all the same
+    if pid is not None and args.drain:
+        _drain(mountpoint, args.timeout)
     command = ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [mountpoint]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -187,6 +191,48 @@ def cmd_umount(args: argparse.Namespace) -> int:
         print(f"cachefs: warning: daemon pid {pid} still running after {args.timeout:.0f} s", file=sys.stderr)
     print(f"cachefs: unmounted {mountpoint}", file=sys.stderr)
     return 0
+
+
+def _drain(mountpoint: str, timeout: float) -> None:
+    """Upload everything staged before unmounting; refuse to unmount if it does not finish in time."""
+    from .control_client import request
+
+    final = {}
+    for reply in request(mountpoint, "sync", wait=True, timeout=timeout):
+        if "error" in reply:
+            if reply["error"].startswith("bad request"):
+                return          # a read-only mount: nothing to drain
+            raise CachefsError(reply["error"])
+        final = reply
+    if final.get("done", True):
+        return
+    left = final["pending"]
+    raise StartTimeout(f"{left['files']} file(s) ({left['bytes']} bytes) and {left['operations']} operation(s) "
+                       f"not uploaded after {timeout:.0f} s (errors: {'; '.join(left['errors']) or 'none'}); "
+                       f"still mounted. They stay staged: retry, or `cachefs umount --no-drain` to unmount "
+                       f"now and upload them at the next mount of this cache dir")
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    from .control_client import request
+    from .status_view import pending_line
+
+    final = {}
+    for reply in request(os.path.abspath(args.mountpoint), "sync", wait=args.wait, timeout=args.timeout,
+                         **({"class": args.sync_class} if args.sync_class else {})):
+        if "error" in reply:
+            if reply["error"].startswith("bad request"):
+                raise UsageError(f"{args.mountpoint} is a read-only mount: nothing to sync")
+            raise CachefsError(reply["error"])
+        if "progress" in reply and sys.stderr.isatty():
+            print(f"\rcachefs: {pending_line(reply['progress'])}", end="", file=sys.stderr)
+        final = reply
+    if sys.stderr.isatty() and args.wait:
+        print(file=sys.stderr)
+    done = final.get("done")
+    state = "synced" if done else ("uploading" if not args.wait else "NOT synced")
+    print(f"cachefs: {state}; pending: {pending_line(final.get('pending', {}))}")
+    return 0 if done or not args.wait else ExitCode.TIMEOUT
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:
@@ -222,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
-                                metavar="{mount,umount,status,demo}")
+                                metavar="{mount,umount,status,sync,demo}")
 
     mount = sub.add_parser("mount", help="mount a bucket prefix with a memory and a disk cache tier",
                            epilog=EXIT_CODES + "\n\nCredentials come from the standard AWS chain "
@@ -234,8 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     umount = sub.add_parser("umount", help="unmount and wait for the daemon to finish")
     umount.add_argument("mountpoint")
     umount.add_argument("--lazy", action="store_true", help="detach now even if files are open")
-    umount.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon to exit")
+    umount.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds to wait for staged files to upload, then for the daemon to exit")
+    umount.add_argument("--drain", action=argparse.BooleanOptionalAction, default=True,
+                        help="upload staged files before unmounting (--no-drain: unmount now; they upload "
+                        "at the next mount of the same cache dir)")
     umount.set_defaults(func=cmd_umount)
+
+    sync = sub.add_parser("sync", help="upload staged (written) files now and report what is pending")
+    sync.add_argument("mountpoint")
+    sync.add_argument("--class", dest="sync_class", choices=("log", "checkpoint"), help="only this sync class")
+    sync.add_argument("--wait", action="store_true", help="return when everything is in the store")
+    sync.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait waits at most")
+    sync.set_defaults(func=cmd_sync)
 
     status = sub.add_parser("status", help="tier usage and hit ratios of a running mount")
     status.add_argument("mountpoint")

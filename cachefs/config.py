@@ -24,6 +24,8 @@ def parse_size(value: str | int, name: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a size such as 512M or 50G, got {value!r}")
     if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name}: expected a size such as 512M or 50G, got {value!r}")
         return value
     match = _SIZE_RE.match(str(value))
     if not match:
@@ -43,6 +45,19 @@ def parse_mode(value: str | int, name: str) -> int:
 def default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "cachefs")
+
+
+DEFAULT_LOG_PATTERNS = ("*.log", "*.txt", "*.json", "*.csv", "events.out.tfevents.*")
+DEFAULT_CHECKPOINT_PATTERNS = ("*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.bin")
+
+
+def parse_patterns(value, name: str) -> tuple[str, ...]:
+    """A TOML list of globs, or one comma-separated string (a flag)."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{name}: expected a list of glob patterns, got {value!r}")
+    return tuple(v.strip() for v in value if v.strip())
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,39 @@ class MountConfig:
     foreground: bool = field(default=False, metadata={"help": "stay in the foreground, log to stderr"})
     ready_timeout: float = field(default=60.0, metadata={
         "help": "seconds `mount` waits for the daemon to be ready"})
+    # ---- write-back (docs/writeback.md) ----
+    read_only: bool = field(default=False, metadata={
+        "help": "refuse every write with EROFS (an --immutable mount is always read-only)"})
+    staging_dir: str | None = field(default=None, metadata={
+        "help": "write-back journal directory (default CACHE_DIR/staging); dirty data lives here"})
+    staging_size: int = field(default=20 << 30, metadata={
+        "help": "most bytes of staged (not yet uploaded) files", "size": True})
+    staging_wait: float = field(default=30.0, metadata={
+        "help": "seconds a writer waits for staging space before ENOSPC"})
+    fsync: str = field(default="local", metadata={
+        "help": "fsync returns when the data is on local disk (local) or in the store (remote)"})
+    log_patterns: tuple[str, ...] = field(default=DEFAULT_LOG_PATTERNS, metadata={
+        "help": "file names of the log sync class (comma-separated globs)", "patterns": True})
+    checkpoint_patterns: tuple[str, ...] = field(default=DEFAULT_CHECKPOINT_PATTERNS, metadata={
+        "help": "file names of the checkpoint sync class (comma-separated globs; tried first)",
+        "patterns": True})
+    small_file_size: int = field(default=16 << 20, metadata={
+        "help": "files matching no pattern are log class below this size, checkpoint class above",
+        "size": True})
+    log_sync_period: float = field(default=5.0, metadata={
+        "help": "seconds between uploads of a changing log-class file"})
+    checkpoint_quiet_period: float = field(default=60.0, metadata={
+        "help": "a closed checkpoint-class file is uploaded once unchanged this long (seconds)"})
+    checkpoint_sync_period: float = field(default=600.0, metadata={
+        "help": "a changed checkpoint-class file is uploaded at the latest after this long (seconds)"})
+    upload_part_size: int = field(default=16 << 20, metadata={
+        "help": "multipart upload part size (files above it use multipart)", "size": True})
+    upload_concurrency: int = field(default=8, metadata={
+        "help": "parallel part uploads of checkpoint-class files"})
+    log_upload_concurrency: int = field(default=4, metadata={
+        "help": "parallel uploads of log-class files (kept apart from checkpoint uploads)"})
+    drain_timeout: float = field(default=60.0, metadata={
+        "help": "seconds the daemon keeps uploading staged files when it stops"})
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -103,6 +151,14 @@ class MountConfig:
     @property
     def log_path(self) -> str:
         return self.log_file or os.path.join(self.cache_dir, "cachefs.log")
+
+    @property
+    def staging_path(self) -> str:
+        return self.staging_dir or os.path.join(self.cache_dir, "staging")
+
+    @property
+    def writable(self) -> bool:
+        return not (self.read_only or self.immutable)
 
 
 def option_fields() -> list[dataclasses.Field]:
@@ -131,6 +187,13 @@ def _validate(cfg: MountConfig) -> None:
          "log_level must be debug, info, warning or error")
     need(0 <= cfg.file_mode <= 0o7777 and 0 <= cfg.dir_mode <= 0o7777, "modes must be in 0000..7777")
     need(bool(cfg.mountpoint), "a mountpoint is required")
+    need(cfg.fsync in ("local", "remote"), "fsync must be local or remote")
+    need(5 << 20 <= cfg.upload_part_size <= 5 << 30, "upload_part_size must be between 5M and 5G")
+    need(cfg.staging_size > 0 and cfg.staging_wait >= 0, "staging_size must be positive, staging_wait >= 0")
+    for name in ("upload_concurrency", "log_upload_concurrency"):
+        need(getattr(cfg, name) >= 1, f"{name} must be >= 1")
+    for name in ("log_sync_period", "checkpoint_quiet_period", "checkpoint_sync_period", "drain_timeout"):
+        need(getattr(cfg, name) >= 0, f"{name} must be >= 0")
 
 
 def _coerce(f: dataclasses.Field, value):
@@ -142,6 +205,8 @@ def _coerce(f: dataclasses.Field, value):
         return parse_size(value, name)
     if f.metadata.get("mode"):
         return parse_mode(value, name)
+    if f.metadata.get("patterns"):
+        return parse_patterns(value, name)
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
         if kind.startswith("bool"):
@@ -178,7 +243,13 @@ def load_toml(path: str) -> dict:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
-    return {key.replace("-", "_"): value for key, value in data.items()}
+    values = {key.replace("-", "_"): value for key, value in data.items()}
+    for f in dataclasses.fields(MountConfig):
+        # `file_mode = 644` in TOML is a decimal integer; it means what `--file-mode 644` means
+        if f.metadata.get("mode") and isinstance(values.get(f.name), int) and not isinstance(
+                values[f.name], bool):
+            values[f.name] = parse_mode(str(values[f.name]), f.name)
+    return values
 
 
 def build_config(values: dict) -> MountConfig:

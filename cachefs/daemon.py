@@ -25,13 +25,16 @@ from .block_cache import BlockCache
 from .config import MountConfig
 from .control import Control
 from .disk_tier import DiskTier
-from .errors import CacheDirError, FuseUnavailable, MountpointError
+from .errors import CachefsError, CacheDirError, ConfigError, FuseUnavailable, MountpointError
 from .fuse_ops import Operations
+from .journal import Journal
 from .listing_snapshot import ListingSnapshot
+from .malloc_tuning import tune_malloc
 from .memory_tier import MemoryTier
 from .metrics import Exporter, Metrics
 from .store import ObjectStore, open_store
 from .vfs import Vfs
+from .writeback import Writeback, make_writeback
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +99,12 @@ class CacheDirLock:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(self._fd)
             raise CacheDirError(f"cache dir {cache_dir} is in use by another cachefs daemon (pid {holder})")
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:          # ENOSPC on a full cache disk, EIO on a failing one
+            os.close(self._fd)
+            raise CacheDirError(f"cache dir {cache_dir}: {exc.strerror}") from None
 
     def close(self) -> None:
         os.close(self._fd)
@@ -147,9 +154,13 @@ class Daemon:
             snapshot = ListingSnapshot(cfg.cache_dir, store.identity)
         except (OSError, sqlite3.Error) as exc:
             raise CacheDirError(f"cache dir {cfg.cache_dir}: cannot write the listing snapshot ({exc})") from None
-        self.vfs = Vfs(store, self.blocks, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable)
+        self.writeback: Writeback | None = make_writeback(cfg, store, metrics) if cfg.writable else None
+        self.vfs = Vfs(store, self.blocks, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable,
+                       writeback=self.writeback, fsync_remote=cfg.fsync == "remote")
         self.control = Control(self.vfs.new_fh)
         self.control.register("status", self._status_command)
+        if self.writeback is not None:
+            self.control.register("sync", self._sync_command)
         uid = os.getuid() if cfg.uid is None else cfg.uid
         gid = os.getgid() if cfg.gid is None else cfg.gid
         self.ops = Operations(self.vfs, self.control, metrics, uid=uid, gid=gid, file_mode=cfg.file_mode,
@@ -180,10 +191,16 @@ class Daemon:
                 "immutable": self.cfg.immutable, "tiers": tiers, "store_requests": requests,
                 "store_read_bytes": int(m.counter_value("cachefs_store_read_bytes_total")),
                 "read_bytes": int(m.counter_value("cachefs_read_bytes_total")),
-                "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total"))}
+                "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
+                "writeback": self.writeback.status() if self.writeback else None}
 
     async def _status_command(self, args: dict) -> AsyncIterator[dict]:
         yield self.status()
+
+    async def _sync_command(self, args: dict) -> AsyncIterator[dict]:
+        from .writeback import sync_command
+        async for reply in sync_command(self.writeback, args):
+            yield reply
 
 
 def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
@@ -195,6 +212,7 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
     # default 5 ms GIL switch interval each waits up to 5 ms for it (a convoy); 0.2 ms keeps
     # a cold disk-tier read near its I/O time.
     sys.setswitchinterval(0.0002)
+    tune_malloc()
     metrics = Metrics()
     try:
         store = open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
@@ -203,10 +221,22 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
                            max_attempts=cfg.max_attempts)
         store.check()
         daemon = Daemon(cfg, store, metrics)
-        trio.run(_serve, daemon, on_ready)
+        try:
+            trio.run(_serve, daemon, on_ready)
+        except BaseExceptionGroup as group:
+            raise _startup_error(group) from None
         store.close()
     finally:
         lock.close()
+
+
+def _startup_error(group: BaseExceptionGroup) -> BaseException:
+    """A start-up failure raised inside the daemon's nursery arrives wrapped in an exception
+    group: surface its CachefsError (for the one-line message and exit code), else the group."""
+    matched, _ = group.split(CachefsError)
+    while isinstance(matched, BaseExceptionGroup):
+        matched = matched.exceptions[0]
+    return matched if matched is not None else group
 
 
 async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
@@ -214,6 +244,8 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.disk.run)
         await nursery.start(daemon.blocks.run)
+        if daemon.writeback is not None:
+            await nursery.start(daemon.writeback.run)
         options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs", "noatime"}
         if cfg.allow_other:
             options.add("allow_other")
@@ -225,7 +257,10 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
         unmount = True
         try:
             if cfg.metrics_port:
-                daemon.exporter = Exporter(daemon.metrics, cfg.metrics_host, cfg.metrics_port)
+                try:
+                    daemon.exporter = Exporter(daemon.metrics, cfg.metrics_host, cfg.metrics_port)
+                except OSError as exc:
+                    raise ConfigError(f"metrics: {exc}") from None
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 nursery.start_soon(stop.on_signal, signals)
                 log.info("cachefs %s mounted %s at %s (cache %s)", __version__, cfg.url, cfg.mountpoint,
@@ -239,9 +274,22 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
             pyfuse3.close(unmount=unmount)
             with trio.move_on_after(30, shield=True):
                 await daemon.disk.wait_idle()     # queued cache fills reach the disk tier
+            if daemon.writeback is not None:
+                await _drain(daemon.writeback, cfg.drain_timeout)
             daemon.vfs.close()
             log.info("unmounted %s", cfg.mountpoint)
             nursery.cancel_scope.cancel()
+
+
+async def _drain(writeback: Writeback, timeout: float) -> None:
+    """Upload what is staged before exiting; what is left stays in the journal for the next mount."""
+    with trio.CancelScope(shield=True):
+        writeback.request_sync()
+        if not await writeback.wait_synced(None, timeout):
+            left = writeback.pending()
+            log.warning("stopping with %d file(s) (%d bytes) and %d operation(s) not yet uploaded; they stay "
+                        "staged in the journal and upload at the next mount", left["files"], left["bytes"],
+                        left["operations"])
 
 
 async def _tune_then_ready(cfg: MountConfig, on_ready: Callable[[], None]) -> None:

@@ -405,6 +405,10 @@ class DiskTier:
             return None
         return entry.length
 
+    def filling(self, key: BlockKey) -> bool:
+        """A fill of this block is queued or being written."""
+        return key.digest() in self._inflight
+
     def contains(self, key: BlockKey) -> bool:
         return self._health.state != DiskHealth.DOWN and key.digest() in self._index
 
@@ -482,8 +486,16 @@ class DiskTier:
         return data
 
     async def _read_in_thread(self, digest: str, offset: int, size: int) -> bytes | None:
-        want = self._combined_want(digest, offset, size)
+        opened = self._handles.get(digest)
         try:
+            if opened is not None:
+                # a dup shares the open file (and the kernel's readahead state for it) and stays
+                # valid if the trio thread closes the cached fd meanwhile
+                fd = os.dup(opened.fd)
+                data = await trio.to_thread.run_sync(_read_dup, fd, opened.header, offset, size,
+                                                     limiter=self._read_limiter)
+                return data
+            want = self._combined_want(digest, offset, size)
             fd, header, data = await trio.to_thread.run_sync(
                 _open_and_read, self._block_path(digest), want, offset, size, limiter=self._read_limiter)
         except FileNotFoundError:
@@ -502,6 +514,22 @@ class DiskTier:
         else:
             os.close(fd)
         return data
+
+    async def prefetch(self, key: BlockKey) -> None:
+        """Have the kernel read a cached block's file ahead (a sequential reader will want it):
+        open it in a worker thread with POSIX_FADV_WILLNEED and keep the fd."""
+        digest = key.digest()
+        if digest not in self._index or digest in self._handles or self._health.state == DiskHealth.DOWN:
+            return
+        try:
+            fd, header, _ = await trio.to_thread.run_sync(
+                _open_block, self._block_path(digest), 0, _pread_willneed, limiter=self._read_limiter)
+        except (OSError, CorruptBlock):
+            return                        # the read that follows will find and handle it
+        if digest in self._index and digest not in self._handles:
+            self._remember_open(digest, fd, header)
+        else:
+            os.close(fd)
 
     # -- fills --
 
@@ -778,12 +806,21 @@ class DiskTier:
         }
 
 
+_scratch = bytearray(0)     # reused by _pread_nowait: only the trio thread calls it
+
+
 def _pread_nowait(fd: int, size: int, offset: int) -> bytes:
-    """pread that raises BlockingIOError unless every byte is in the page cache."""
-    buf = bytearray(size)
-    if os.preadv(fd, [buf], offset, os.RWF_NOWAIT) != size:
+    """pread that raises BlockingIOError unless every byte is in the page cache.
+
+    Reads into a reused buffer (a fresh bytearray costs a zero-fill and page faults per call)
+    and returns one copy."""
+    global _scratch
+    if len(_scratch) < size:
+        _scratch = bytearray(size)
+    view = memoryview(_scratch)[:size]
+    if os.preadv(fd, [view], offset, os.RWF_NOWAIT) != size:
         raise BlockingIOError(errno.EAGAIN, "partly resident")   # or truncated: the thread decides
-    return bytes(buf)
+    return bytes(view)
 
 
 def _open_block(path: Path, want: int, pread: Callable[[int, int, int], bytes]
@@ -825,9 +862,25 @@ def _read_range(fd: int, header: BlockHeader, offset: int, size: int, prefix: by
     return bytes(memoryview(raw)[offset - lo:end - lo])
 
 
+def _pread_willneed(fd: int, size: int, offset: int) -> bytes:
+    """pread for a first open: also asks the kernel to read the whole file ahead, so the rest
+    of the block is resident (and served inline) when the reader gets there."""
+    if offset == 0:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    return os.pread(fd, size, offset)
+
+
+def _read_dup(fd: int, header: BlockHeader, offset: int, size: int) -> bytes:
+    """Worker thread: read a range through a dup of a cached fd, then close the dup."""
+    try:
+        return _read_range(fd, header, offset, size, None, os.pread)
+    finally:
+        os.close(fd)
+
+
 def _open_and_read(path: Path, want: int, offset: int, size: int) -> tuple[int, BlockHeader, bytes]:
     """Worker thread: open, parse and read a range of one block file (FileNotFoundError if gone)."""
-    fd, header, prefix = _open_block(path, want, os.pread)
+    fd, header, prefix = _open_block(path, want, _pread_willneed)
     try:
         return fd, header, _read_range(fd, header, offset, size, prefix, os.pread)
     except BaseException:

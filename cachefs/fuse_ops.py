@@ -22,7 +22,8 @@ from .vfs import CONTROL_INODE, CONTROL_NAME, ROOT_INODE, FsError, Node, Vfs
 log = logging.getLogger(__name__)
 
 _IMMUTABLE_TIMEOUT = 24 * 3600.0
-_QUIET_ERRNOS = {errno.ENOENT, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENOSYS, errno.ENODATA}
+_QUIET_ERRNOS = {errno.ENOENT, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENOSYS, errno.ENODATA,
+                 errno.EEXIST, errno.ENOTEMPTY, errno.EXDEV, errno.EPERM, errno.EINVAL}
 
 
 def _operation(name: str):
@@ -144,6 +145,10 @@ class Operations(pyfuse3.Operations):
         data.f_bsize = data.f_frsize = 4096
         data.f_blocks = 1 << 40
         data.f_bfree = data.f_bavail = 0
+        wb = self.vfs.wb
+        if wb is not None:      # writable: the room left in the staging area
+            data.f_blocks = wb.staging_size // data.f_frsize
+            data.f_bfree = data.f_bavail = max(0, wb.staging_size - wb.staged_bytes) // data.f_frsize
         data.f_files = len(self.vfs._nodes)
         data.f_ffree = data.f_favail = 0
         data.f_namemax = 1024
@@ -183,46 +188,70 @@ class Operations(pyfuse3.Operations):
     async def write(self, fh, off, buf):
         if self.control.owns(fh):
             return self.control.write(fh, buf)
-        raise FsError(errno.EROFS)
+        return await self.vfs.write(fh, off, buf)
 
     @_operation("flush")
     async def flush(self, fh):
-        raise pyfuse3.FUSEError(errno.ENOSYS)   # read-only data: the kernel stops sending flush
+        raise pyfuse3.FUSEError(errno.ENOSYS)   # nothing to do at close: the kernel stops sending flush
+
+    @_operation("fsync")
+    async def fsync(self, fh, datasync):
+        if not self.control.owns(fh):
+            await self.vfs.fsync(fh)
 
     @_operation("release")
     async def release(self, fh):
         if self.control.owns(fh):
             self.control.release(fh)
         else:
-            self.vfs.release(fh)
+            await self.vfs.release(fh)
 
-    # ---- what a read-only object-store view cannot do -----------------------------------------
+    # ---- writes (docs/writeback.md) -------------------------------------------------------------
+    @_operation("setattr")
     async def setattr(self, inode, attr, fields, fh, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        if inode == CONTROL_INODE:
+            return self._control_attr()
+        size = attr.st_size if fields.update_size else None
+        mtime = attr.st_mtime_ns / 1e9 if fields.update_mtime else None
+        return self._attr(await self.vfs.setattr(inode, size, mtime))   # mode, owner: fixed by the mount
 
+    @_operation("create")
     async def create(self, parent_inode, name, mode, flags, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        handle, node = await self.vfs.create(parent_inode, os.fsdecode(name), flags)
+        return pyfuse3.FileInfo(fh=handle.fh), self._attr(node)
 
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
-
+    @_operation("mkdir")
     async def mkdir(self, parent_inode, name, mode, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        return self._attr(await self.vfs.mkdir(parent_inode, os.fsdecode(name)))
 
+    @_operation("unlink")
     async def unlink(self, parent_inode, name, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        await self.vfs.unlink(parent_inode, os.fsdecode(name))
 
+    @_operation("rmdir")
     async def rmdir(self, parent_inode, name, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        await self.vfs.rmdir(parent_inode, os.fsdecode(name))
 
+    @_operation("rename")
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        await self.vfs.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new, os.fsdecode(name_new),
+                              flags)
 
+    # ---- what an object store cannot do ---------------------------------------------------------
+    @_operation("mknod")
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        raise FsError(self._refusal(), "only regular files and directories")
+
+    @_operation("symlink")
     async def symlink(self, parent_inode, name, target, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        raise FsError(self._refusal(), "symbolic links are not supported")
 
+    @_operation("link")
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        raise pyfuse3.FUSEError(errno.EROFS)
+        raise FsError(self._refusal(), "hard links are not supported")
+
+    def _refusal(self) -> int:
+        return errno.EROFS if self.vfs.wb is None else errno.EPERM
 
 
 class _TimingCache(dict):

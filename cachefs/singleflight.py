@@ -16,9 +16,10 @@ class _Call:
 
 
 class SingleFlight:
-    def __init__(self) -> None:
+    def __init__(self, on_join: Callable[[], object] | None = None) -> None:
         self._calls: dict[Hashable, _Call] = {}
         self.joins = 0
+        self._on_join = on_join
 
     def in_flight(self, key: Hashable) -> bool:
         return key in self._calls
@@ -34,6 +35,8 @@ class SingleFlight:
             if call is None:
                 return await self._lead(key, fn)
             self.joins += 1
+            if self._on_join is not None:
+                self._on_join()
             await call.done.wait()
             if call.error is None:
                 return call.value

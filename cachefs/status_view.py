@@ -30,4 +30,29 @@ def render(status: dict) -> str:
     lines.append(f"  served  {size(status['read_bytes'])} to readers; corrupt blocks dropped: "
                  f"{status['corrupt_blocks']}")
     lines.append(f"  metrics {'http://' + status['metrics'] + '/metrics' if status['metrics'] else 'off'}")
+    lines.extend(_writeback_lines(status.get("writeback")))
     return "\n".join(lines)
+
+
+def _writeback_lines(wb: dict | None) -> list[str]:
+    if wb is None:
+        return ["  writes  refused (read-only mount)"]
+    lines = [f"  staging {size(wb['staged_bytes'])} / {size(wb['staging_size'])} in {wb['staged_files']} files; "
+             f"{wb['pending_operations']} pending deletes/directories"]
+    for cls, c in wb["classes"].items():
+        age = "-" if c["oldest_dirty_age_s"] is None else f"{c['oldest_dirty_age_s']:.0f}s"
+        lines.append(f"  {cls:<10} dirty {size(c['dirty_bytes']):>10} in {c['dirty_files']} files, oldest {age}, "
+                     f"uploading {c['uploading']}, failing {c['failing']}")
+    for error in wb.get("errors", []):
+        lines.append(f"  upload error: {error}")
+    return lines
+
+
+def pending_line(pending: dict) -> str:
+    """'3 files (12.0 MiB), 1 operation, 1 failing' for ``cachefs sync``."""
+    if not pending:
+        return "unknown"
+    text = f"{pending.get('files', 0)} files ({size(pending.get('bytes', 0))}), {pending.get('operations', 0)} operations"
+    if pending.get("failing"):
+        text += f", {pending['failing']} failing: {'; '.join(pending.get('errors', []))}"
+    return text

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-from .errors import ConfigError
+from .errors import ConfigError, StoreError
 from .metrics import Metrics
 
 
@@ -63,6 +63,46 @@ class ObjectStore(ABC):
         ETag), BadResponse when the server ignored the range or sent the wrong
         length, NoSuchKey, AccessDenied, Unreachable (after retries).
         """
+
+    # --- writes (write-back). Each is blocking, retried like reads, and idempotent where S3 is.
+    # An object appears only complete: ``put`` is one request; a multipart upload shows nothing
+    # until ``finish_upload``. Stores that cannot write raise StoreError.
+
+    def put(self, path: str, data: bytes) -> ObjectInfo:
+        """Store ``data`` as the object ``path`` in one request; return its new metadata."""
+        raise StoreError(f"{self.identity}: this store is read-only")
+
+    def start_upload(self, path: str) -> str:
+        """Begin a multipart upload of ``path``; return its upload id."""
+        raise StoreError(f"{self.identity}: this store is read-only")
+
+    def upload_part(self, path: str, upload_id: str, number: int, data: bytes) -> str:
+        """Upload part ``number`` (1-based) of an upload; return the part's ETag."""
+        raise StoreError(f"{self.identity}: this store is read-only")
+
+    def finish_upload(self, path: str, upload_id: str, parts: list[tuple[int, str]], size: int) -> ObjectInfo:
+        """Complete an upload from (number, ETag) pairs; the object appears now. Verifies ``size``."""
+        raise StoreError(f"{self.identity}: this store is read-only")
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        """Drop an unfinished upload and its parts (never raises NoSuchKey)."""
+        raise StoreError(f"{self.identity}: this store is read-only")
+
+    def delete(self, path: str) -> None:
+        """Delete the object ``path``; deleting a missing object succeeds."""
+        raise StoreError(f"{self.identity}: this store is read-only")
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Server-side copy of ``src`` to ``dst`` (the object appears complete)."""
+        raise StoreError(f"{self.identity}: this store is read-only")
+
+    def make_dir(self, path: str) -> None:
+        """Make an empty directory ``path`` persist (an S3 "path/" marker object)."""
+        raise StoreError(f"{self.identity}: this store is read-only")
+
+    def remove_dir(self, path: str) -> None:
+        """Remove the marker of directory ``path`` (missing is fine)."""
+        raise StoreError(f"{self.identity}: this store is read-only")
 
     def close(self) -> None:
         """Release connections."""

@@ -7,7 +7,9 @@ moved, so a read never returns bytes of another version than the one pinned.
 """
 
 import posixpath
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, TypeVar
@@ -88,6 +90,8 @@ class FsspecStore(ObjectStore):
         self._metrics = metrics
         self._max_attempts = max_attempts
         self.identity = f"{self._parsed.scheme}|{self._root}"
+        self._uploads: dict[str, dict[int, bytes]] = {}   # multipart emulation: parts in memory
+        self._uploads_lock = threading.Lock()
 
     def _full(self, path: str) -> str:
         return f"{self._root}/{path}".rstrip("/") if path else self._root
@@ -171,3 +175,58 @@ class FsspecStore(ObjectStore):
         for name in sorted(found):
             if found[name].get("type") == "file":
                 yield _object_info(name[skip:], found[name])
+
+    # --- writes: a temporary name then a move, so an object appears only complete ---
+
+    def put(self, path: str, data: bytes) -> ObjectInfo:
+        full = self._full(path)
+        self._call("put", path, lambda: self._write_whole(full, data))
+        return self.head(path)
+
+    def _write_whole(self, full: str, data: bytes) -> None:
+        self._fs.makedirs(self._fs._parent(full), exist_ok=True)
+        temp = f"{full}.cachefs-{uuid.uuid4().hex[:12]}.tmp"
+        self._fs.pipe_file(temp, data)
+        self._fs.mv(temp, full)
+
+    def start_upload(self, path: str) -> str:
+        upload_id = uuid.uuid4().hex
+        with self._uploads_lock:
+            self._uploads[upload_id] = {}
+        return upload_id
+
+    def upload_part(self, path: str, upload_id: str, number: int, data: bytes) -> str:
+        with self._uploads_lock:
+            self._uploads[upload_id][number] = bytes(data)
+        return f"part-{number}-{len(data)}"
+
+    def finish_upload(self, path: str, upload_id: str, parts: list[tuple[int, str]], size: int) -> ObjectInfo:
+        with self._uploads_lock:
+            stored = self._uploads.pop(upload_id)
+        data = b"".join(stored[number] for number, _ in sorted(parts))
+        if len(data) != size:
+            raise BadResponse(f"finish_upload {self._url(path)}: {len(data)} bytes, expected {size}")
+        return self.put(path, data)
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        with self._uploads_lock:
+            self._uploads.pop(upload_id, None)
+
+    def delete(self, path: str) -> None:
+        try:
+            self._call("delete", path, lambda: self._fs.rm_file(self._full(path)))
+        except NoSuchKey:
+            pass
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        self._call("copy", dst, lambda: self._fs.copy(self._full(src), self._full(dst)))
+        return self.head(dst)
+
+    def make_dir(self, path: str) -> None:
+        self._call("put", path, lambda: self._fs.makedirs(self._full(path), exist_ok=True))
+
+    def remove_dir(self, path: str) -> None:
+        try:
+            self._call("delete", path, lambda: self._fs.rmdir(self._full(path)))
+        except (NoSuchKey, StoreError):
+            pass   # gone already, or not empty (files below still name it)

@@ -18,9 +18,11 @@ import trio
 
 from .block_cache import BlockCache, FileVersion, Stream
 from .errors import CachefsError, NoSuchKey, StoreError
+from .journal import DELETE, MKDIR, RMDIR
 from .listing_snapshot import ListingSnapshot
 from .singleflight import SingleFlight
 from .store import Listing, ObjectInfo, ObjectStore
+from .writeback import StagedFile, Writeback
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,8 @@ ROOT_INODE = 1
 CONTROL_INODE = 2
 CONTROL_NAME = ".cachefs-control"
 _FIRST_INODE = 16
+OUTAGE_RETRY = 5.0      # seconds between revalidation attempts while the store is failing
+RENAME_NOREPLACE = 1
 
 
 class FsError(CachefsError):
@@ -40,7 +44,7 @@ class FsError(CachefsError):
 
 class Node:
     __slots__ = ("inode", "path", "is_dir", "size", "mtime", "etag", "checked_at", "lookups",
-                 "opens", "kernel_etag")
+                 "opens", "kernel_etag", "staged")
 
     def __init__(self, inode: int, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> None:
         self.inode = inode
@@ -53,6 +57,11 @@ class Node:
         self.lookups = 0
         self.opens = 0
         self.kernel_etag: str | None = None   # the version whose pages the kernel may hold
+        self.staged: StagedFile | None = None  # written here, not (yet) retired to the store
+
+    def show(self, entry: StagedFile) -> None:
+        self.staged = entry
+        self.size, self.mtime = entry.size, entry.mtime
 
     def update(self, info: ObjectInfo, now: float) -> None:
         self.size, self.mtime, self.etag, self.checked_at = info.size, info.mtime, info.etag, now
@@ -77,13 +86,16 @@ class DirState:
 
 
 class Handle:
-    __slots__ = ("fh", "node", "file", "stream")
+    __slots__ = ("fh", "node", "file", "stream", "entry", "writable")
 
-    def __init__(self, fh: int, node: Node, file: FileVersion | None) -> None:
+    def __init__(self, fh: int, node: Node, file: FileVersion | None, entry: StagedFile | None = None,
+                 writable: bool = False) -> None:
         self.fh = fh
         self.node = node
         self.file = file
         self.stream = Stream()
+        self.entry = entry          # the staged file this handle opened (kept open while it lives)
+        self.writable = writable
 
 
 class DirHandle:
@@ -103,11 +115,25 @@ def join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
 
 
+def split(path: str) -> tuple[str, str]:
+    parent, _, name = path.rpartition("/")
+    return parent, name
+
+
+def staged_info(entry: StagedFile) -> ObjectInfo:
+    return ObjectInfo(entry.path, entry.size, entry.mtime, "")
+
+
 class Vfs:
     def __init__(self, store: ObjectStore, blocks: BlockCache, snapshot: ListingSnapshot | None, *,
-                 metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None
-                 ) -> None:
+                 metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None,
+                 writeback: Writeback | None = None, fsync_remote: bool = False) -> None:
         self.store = store
+        self.wb = writeback         # None: a read-only mount (EROFS)
+        self.fsync_remote = fsync_remote
+        self._uploaded: dict[str, tuple[ObjectInfo, float]] = {}   # retired lately: for racing listings
+        if writeback is not None:
+            writeback.on_retired = self._retired
         self.blocks = blocks
         self.snapshot = snapshot
         self.ttl = metadata_ttl
@@ -128,6 +154,11 @@ class Vfs:
     def is_fresh(self, stamp: float) -> bool:
         return self.immutable or time.time() - stamp < self.ttl
 
+    def _retry_stamp(self) -> float:
+        """A freshness stamp after a failed revalidation: try the store again in at most
+        OUTAGE_RETRY seconds, instead of waiting out its retries on every lookup."""
+        return time.time() - self.ttl + min(self.ttl, OUTAGE_RETRY)
+
     async def dir_state(self, path: str) -> DirState:
         state = self._dirs.get(path)
         if state is not None and self.is_fresh(state.listed_at):
@@ -136,6 +167,7 @@ class Vfs:
             saved = self.snapshot.load(dir_prefix(path))
             if saved is not None:
                 state = self._dirs[path] = DirState.from_listing(saved[1], saved[0])
+                self._overlay(path, state)
                 if self.is_fresh(state.listed_at):
                     return state
         return await self._listings.do(path, lambda: self._relist(path, state))
@@ -149,18 +181,48 @@ class Vfs:
             if stale is None:
                 raise
             log.info("listing %r failed (%s); serving the previous listing", prefix, exc)
+            stale.listed_at = self._retry_stamp()
             return stale
         state = self._dirs[path] = DirState.from_listing(listing, started)
         if self.snapshot is not None:
             self.snapshot.save(prefix, listing, started)
         self._refresh_known_children(path, state, started)
+        self._overlay(path, state)
         return state
 
     def _refresh_known_children(self, path: str, state: DirState, now: float) -> None:
         for name, info in state.files.items():
             inode = self._by_path.get(join(path, name))
-            if inode is not None and not self._nodes[inode].is_dir:
+            if inode is not None and not self._nodes[inode].is_dir and self._nodes[inode].staged is None:
                 self._nodes[inode].update(info, now)
+
+    def _overlay(self, path: str, state: DirState) -> None:
+        """Apply what is written but not yet (or only just) in the store to a fresh listing."""
+        if self.wb is None:
+            return
+        prefix = dir_prefix(path)
+        for (is_dir, target), op in self.wb.ops.items():
+            parent, name = split(target)
+            if parent == path:
+                if op.record.kind == DELETE:
+                    state.files.pop(name, None)
+                elif op.record.kind == RMDIR:
+                    state.dirs.discard(name)
+                else:
+                    state.dirs.add(name)
+            elif op.record.kind == MKDIR and target.startswith(prefix):
+                state.dirs.add(target[len(prefix):].split("/", 1)[0])
+        for target, entry in self.wb.files.items():
+            if target.startswith(prefix):
+                rest = target[len(prefix):]
+                if "/" in rest:
+                    state.dirs.add(rest.split("/", 1)[0])
+                else:
+                    state.files[rest] = staged_info(entry)
+        for target, (info, at) in self._uploaded.items():
+            parent, name = split(target)
+            if parent == path and at >= state.listed_at - 5 and target not in self.wb.files:
+                state.files[name] = info
 
     # ---- nodes ------------------------------------------------------------------------------
     def node(self, inode: int) -> Node:
@@ -218,11 +280,19 @@ class Vfs:
         info = state.files.get(name)
         if info is None:
             raise FsError(errno.ENOENT)
-        return self._node_for(path, False, info)
+        return self._file_node(path, info)
+
+    def _file_node(self, path: str, info: ObjectInfo) -> Node:
+        entry = self.wb.files.get(path) if self.wb is not None else None
+        if entry is None:
+            return self._node_for(path, False, info)
+        node = self._node_for(path, False, None)
+        node.show(entry)
+        return node
 
     async def getattr(self, inode: int) -> Node:
         node = self.node(inode)
-        if not node.is_dir:
+        if not node.is_dir and node.staged is None:
             await self.revalidate(node)
         return node
 
@@ -234,9 +304,18 @@ class Vfs:
             info = await trio.to_thread.run_sync(self.store.head, node.path, limiter=self._limiter)
         except NoSuchKey:
             raise FsError(errno.ENOENT, f"{node.path} no longer exists in the store") from None
+        except StoreError as exc:
+            # the store is down: keep serving the version we know (its blocks may be cached)
+            log.info("revalidating %s failed (%s); serving the known version", node.path, exc)
+            node.checked_at = self._retry_stamp()
+            return
         if info.etag != node.etag:
             log.info("%s changed in the store (ETag %s -> %s)", node.path, node.etag, info.etag)
         node.update(info, time.time())
+        parent, _, name = node.path.rpartition("/")
+        state = self._dirs.get(parent)
+        if state is not None and name in state.files:
+            state.files[name] = info      # a later lookup from this listing must not revert it
         if self.snapshot is not None:
             self.snapshot.update_file(info)
 
@@ -258,7 +337,7 @@ class Vfs:
             if name in handle.state.dirs:
                 node = self._node_for(path, True, None)
             else:
-                node = self._node_for(path, False, handle.state.files[name])
+                node = self._file_node(path, handle.state.files[name])
             yield name, node, offset + 1
 
     def releasedir(self, fh: int) -> None:
@@ -272,7 +351,9 @@ class Vfs:
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise FsError(errno.EROFS)
+            return await self._open_for_write(node, flags), False
+        if node.staged is not None:
+            return self._new_handle(node, node.staged, writable=False), False
         await self.revalidate(node)
         keep_cache = node.kernel_etag == node.etag
         node.kernel_etag = node.etag
@@ -283,21 +364,269 @@ class Vfs:
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
+        node = handle.node
+        entry = node.staged if node.staged is not None else handle.entry
+        if entry is not None and entry.fd >= 0:
+            return self.wb.read(entry, offset, size)
+        if handle.file is None:      # opened while staged, since uploaded: read that version
+            handle.file = FileVersion(node.path, node.etag, node.size)
         try:
             return await self.blocks.read(handle.file, offset, size, handle.stream)
         except StoreError:
             handle.node.checked_at = 0.0      # the next open revalidates
             raise
 
-    def release(self, fh: int) -> None:
+    async def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)
         if handle is not None:
             handle.node.opens -= 1
+            if handle.entry is not None:
+                await self.wb.released(handle.entry, writable=handle.writable)
             self.forget(handle.node.inode, 0)
-
-    def new_fh(self) -> int:
-        return next(self._next_fh)
 
     def close(self) -> None:
         if self.snapshot is not None:
             self.snapshot.close()
+        if self.wb is not None:
+            self.wb.close()
+
+    # ---- writes (docs/writeback.md) --------------------------------------------------------
+    def _writeback(self) -> Writeback:
+        if self.wb is None:
+            raise FsError(errno.EROFS)
+        return self.wb
+
+    def _new_handle(self, node: Node, entry: StagedFile | None, *, writable: bool) -> Handle:
+        fh = self.new_fh()
+        handle = self.handles[fh] = Handle(fh, node, None, entry, writable)
+        node.opens += 1
+        if entry is not None:
+            self.wb.opened(entry, writable=writable)
+        return handle
+
+    def new_fh(self) -> int:
+        return next(self._next_fh)
+
+    async def _stage(self, node: Node, *, empty: bool) -> StagedFile:
+        """The staged file of ``node``: its own, a new empty one, or a copy of its object."""
+        wb = self._writeback()
+        if node.staged is not None:
+            return node.staged
+        if empty:
+            entry = await wb.create(node.path, remote=True)
+        else:
+            await self.revalidate(node)
+            entry = await wb.copy_up(node.path, node.etag, node.size)
+        node.show(entry)
+        return entry
+
+    async def _open_for_write(self, node: Node, flags: int) -> Handle:
+        wb = self._writeback()
+        truncate = bool(flags & os.O_TRUNC)
+        entry = await self._stage(node, empty=truncate)
+        if truncate and entry.size:
+            await wb.truncate(entry, 0)
+        node.show(entry)
+        return self._new_handle(node, entry, writable=bool(flags & (os.O_WRONLY | os.O_RDWR)))
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self.handles[fh]
+        if not handle.writable or handle.entry is None:
+            raise FsError(errno.EBADF)
+        written = await self.wb.write(handle.entry, offset, data)
+        if handle.node.staged is handle.entry:
+            handle.node.size, handle.node.mtime = handle.entry.size, handle.entry.mtime
+        return written
+
+    async def fsync(self, fh: int) -> None:
+        handle = self.handles[fh]
+        entry = handle.entry or handle.node.staged
+        if entry is not None and entry.fd >= 0:
+            await self.wb.fsync(entry, remote=self.fsync_remote)
+
+    async def setattr(self, inode: int, size: int | None, mtime: float | None) -> Node:
+        node = self.node(inode)
+        self._writeback()
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            entry = await self._stage(node, empty=size == 0)
+            await self.wb.truncate(entry, size)
+            node.show(entry)
+        if mtime is not None and node.staged is not None:
+            node.staged.mtime = node.mtime = mtime
+        return node
+
+    async def _parent_state(self, parent_inode: int) -> tuple[Node, DirState]:
+        parent = self.node(parent_inode)
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return parent, await self.dir_state(parent.path)
+
+    def _cached_state(self, path: str) -> DirState | None:
+        return self._dirs.get(path)
+
+    def _set_file(self, path: str, info: ObjectInfo | None) -> None:
+        """Show (``info``) or hide (None) a file in its parent's cached listing."""
+        parent, name = split(path)
+        state = self._cached_state(parent)
+        if state is not None:
+            if info is None:
+                state.files.pop(name, None)
+            else:
+                state.files[name] = info
+
+    def _set_dir(self, path: str, present: bool) -> None:
+        parent, name = split(path)
+        state = self._cached_state(parent)
+        if state is not None:
+            (state.dirs.add if present else state.dirs.discard)(name)
+        if present:
+            self._dirs[path] = DirState(time.time(), {}, set())
+        else:
+            self._dirs.pop(path, None)
+
+    def _unlink_path(self, path: str) -> None:
+        self._by_path.pop(path, None)     # the kernel may still hold the inode; forget drops it
+
+    async def create(self, parent_inode: int, name: str, flags: int) -> tuple[Handle, Node]:
+        wb = self._writeback()
+        parent, state = await self._parent_state(parent_inode)
+        if name in state.dirs:
+            raise FsError(errno.EISDIR)
+        path = join(parent.path, name)
+        staged = wb.files.get(path)
+        if staged is not None:
+            entry = staged
+            await wb.truncate(entry, 0)
+        else:
+            entry = await wb.create(path, remote=name in state.files)
+        self._set_file(path, staged_info(entry))
+        node = self._node_for(path, False, None)
+        node.show(entry)
+        self.remember(node)
+        return self._new_handle(node, entry, writable=bool(flags & (os.O_WRONLY | os.O_RDWR))), node
+
+    async def mkdir(self, parent_inode: int, name: str) -> Node:
+        wb = self._writeback()
+        parent, state = await self._parent_state(parent_inode)
+        if name in state.dirs or name in state.files:
+            raise FsError(errno.EEXIST)
+        path = join(parent.path, name)
+        await wb.add_op(MKDIR, path)
+        self._set_dir(path, True)
+        node = self._node_for(path, True, None)
+        self.remember(node)
+        return node
+
+    async def _empty_dir(self, path: str) -> bool:
+        state = await self.dir_state(path)
+        return not state.files and not state.dirs
+
+    async def rmdir(self, parent_inode: int, name: str) -> None:
+        wb = self._writeback()
+        parent, state = await self._parent_state(parent_inode)
+        path = join(parent.path, name)
+        if name not in state.dirs:
+            raise FsError(errno.ENOTDIR if name in state.files else errno.ENOENT)
+        if not await self._empty_dir(path):
+            raise FsError(errno.ENOTEMPTY)
+        await wb.add_op(RMDIR, path)
+        self._set_dir(path, False)
+        self._unlink_path(path)
+
+    async def unlink(self, parent_inode: int, name: str) -> None:
+        wb = self._writeback()
+        parent, state = await self._parent_state(parent_inode)
+        path = join(parent.path, name)
+        if name in state.dirs:
+            raise FsError(errno.EISDIR)
+        entry = wb.files.get(path)
+        if entry is not None:
+            await wb.unlink(entry)
+        elif name in state.files:
+            await wb.add_op(DELETE, path)
+        else:
+            raise FsError(errno.ENOENT)
+        self._set_file(path, None)
+        self._unlink_path(path)
+
+    async def rename(self, old_parent: int, old_name: str, new_parent: int, new_name: str, flags: int) -> None:
+        self._writeback()
+        if flags & ~RENAME_NOREPLACE:
+            raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
+        src_parent, src = await self._parent_state(old_parent)
+        dst_parent, dst = await self._parent_state(new_parent)
+        old, new = join(src_parent.path, old_name), join(dst_parent.path, new_name)
+        if old == new:
+            return
+        exists = new_name in dst.files or new_name in dst.dirs
+        if flags & RENAME_NOREPLACE and exists:
+            raise FsError(errno.EEXIST)
+        if old_name in src.dirs:
+            await self._rename_dir(old, new, dst, new_name)
+        elif old_name in src.files:
+            if new_name in dst.dirs:
+                raise FsError(errno.EISDIR)
+            await self._rename_file(old, new, replaces=new_name in dst.files)
+        else:
+            raise FsError(errno.ENOENT)
+        self._move_node(old, new)
+
+    async def _rename_file(self, old: str, new: str, *, replaces: bool) -> None:
+        wb = self.wb
+        entry = wb.files.get(old)
+        if entry is not None:
+            await wb.move(entry, new, replaces_object=replaces and new not in wb.files)
+            self._set_file(old, None)
+            self._set_file(new, staged_info(entry))
+            return
+        # A file only in the store: a server-side copy now, the old name deleted by a tombstone.
+        info = await trio.to_thread.run_sync(self.store.copy, old, new, limiter=self._limiter)
+        other = wb.files.get(new)
+        if other is not None:
+            await wb.unlink(other)
+        wb.cancel_op((False, new))
+        await wb.add_op(DELETE, old)
+        self._set_file(old, None)
+        self._set_file(new, info)
+        self._uploaded[new] = (info, time.time())
+
+    async def _rename_dir(self, old: str, new: str, dst: DirState, new_name: str) -> None:
+        """Only an empty directory moves: S3 has no directory objects to rename (EXDEV makes
+        ``mv`` copy the tree and delete the original instead)."""
+        if new_name in dst.files:
+            raise FsError(errno.ENOTDIR)
+        if not await self._empty_dir(old):
+            raise FsError(errno.EXDEV, "renaming a non-empty directory is not supported on an object store")
+        if new_name in dst.dirs and not await self._empty_dir(new):
+            raise FsError(errno.ENOTEMPTY)
+        await self.wb.add_op(MKDIR, new)
+        await self.wb.add_op(RMDIR, old)
+        self._set_dir(old, False)
+        self._set_dir(new, True)
+
+    def _move_node(self, old: str, new: str) -> None:
+        inode = self._by_path.pop(old, None)
+        self._by_path.pop(new, None)
+        if inode is not None:
+            self._nodes[inode].path = new
+            self._by_path[new] = inode
+
+    def _retired(self, entry: StagedFile, info: ObjectInfo) -> None:
+        """``entry`` is in the store as ``info``: serve it through the block cache from now on."""
+        now = time.time()
+        inode = self._by_path.get(entry.path)
+        if inode is not None and self._nodes[inode].staged is entry:
+            node = self._nodes[inode]
+            node.staged = None
+            node.update(info, now)
+            for handle in self.handles.values():
+                if handle.node is node:
+                    handle.file = None
+        self._set_file(entry.path, info)
+        self._uploaded[entry.path] = (info, now)
+        if len(self._uploaded) > 10000:
+            self._uploaded = {p: v for p, v in self._uploaded.items() if now - v[1] < 300}
+        if self.snapshot is not None:
+            self.snapshot.update_file(info)

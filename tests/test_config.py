@@ -48,8 +48,6 @@ def test_parse_size_rejects_with_the_option_name(text):
     assert str(info.value).startswith("cache_size: expected a size")
 
 
-@pytest.mark.xfail(reason="config.py parse_size returns negative integers as they are; readahead_size "
-                          "is not validated either, so readahead_size = -1 is accepted", strict=True)
 def test_negative_sizes_are_rejected(tmp_path):
     with pytest.raises(ConfigError):
         parse_size(-1, "readahead_size")
@@ -69,8 +67,6 @@ def test_parse_mode_rejects_with_the_option_name(value):
     assert str(info.value).startswith("file_mode: expected an octal mode")
 
 
-@pytest.mark.xfail(reason="config.py parse_mode takes a TOML integer as the mode's value, so "
-                          "`file_mode = 644` is mode 0o1204 while `--file-mode 644` is 0o644", strict=True)
 @pytest.mark.parametrize("digits", [644, 400])
 def test_a_toml_integer_mode_means_the_same_as_the_flag_or_is_refused(tmp_path, digits):
     flag = config(tmp_path, None, "--file-mode", str(digits)).file_mode

@@ -115,3 +115,21 @@ def test_failing_cache_disk_is_fenced_and_reads_go_on(proxied, mount_factory):
     assert disk["health"] in ("unstable", "down"), disk
     for name, data in files.items():                 # served again (memory tier / store)
         assert (mnt / name).read_bytes() == data
+
+
+def test_store_outage_after_the_ttl_still_serves_cached_files(proxied, mount_factory):
+    proxy, bucket, files = proxied
+    mnt = mount_via(proxy, bucket, mount_factory, "--max-attempts", "1", "--metadata-ttl", "1")
+    assert (mnt / "f0.bin").read_bytes() == files["f0.bin"]
+    proxy.refuse(True)
+    try:
+        time.sleep(1.3)                                   # listing and attributes are stale now
+        started = time.monotonic()
+        assert (mnt / "f0.bin").read_bytes() == files["f0.bin"]      # known version, cached blocks
+        assert sorted(os.listdir(mnt.path)) == sorted(files)          # the previous listing
+        assert time.monotonic() - started < 10
+        with pytest.raises(OSError):
+            (mnt / "f5.bin").read_bytes()                              # never fetched: EIO
+    finally:
+        proxy.refuse(False)
+    assert (mnt / "f5.bin").read_bytes() == files["f5.bin"]

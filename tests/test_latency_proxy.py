@@ -19,9 +19,13 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.latency_proxy import (  # noqa: E402
-    LatencyProxy, error_response, is_final_response, is_request_start)
-from cachefs.local_s3 import LocalS3Server, local_credentials_env, make_bucket  # noqa: E402
+from benchmarks.latency_proxy import (
+    LatencyProxy,
+    error_response,
+    is_final_response,
+    is_request_start,
+)
+from cachefs.local_s3 import LocalS3Server, local_credentials_env, make_bucket
 
 SMALL = b"s" * 1000
 MEDIUM = bytes(range(256)) * 1200          # 300 KiB

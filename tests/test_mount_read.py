@@ -102,7 +102,7 @@ def test_pread_seek_and_partial_blocks(loaded, mount_factory):
 
 def test_writes_are_refused_with_erofs(loaded, mount_factory):
     server, bucket, _, _ = loaded
-    mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server)).start()
+    mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server, "--read-only")).start()
     for action in (lambda: open(mnt / "new.txt", "w"), lambda: open(mnt / "big.bin", "r+b"),
                    lambda: os.mkdir(mnt / "newdir"), lambda: os.unlink(mnt / "big.bin"),
                    lambda: os.rename(mnt / "big.bin", mnt / "b2"), lambda: os.truncate(mnt / "big.bin", 0)):

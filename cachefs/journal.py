@@ -1,0 +1,211 @@
+"""The write-back journal: staging files and the records that name them (DESIGN invariant 5).
+
+On-disk format (``STAGING = CACHE_DIR/staging`` unless ``staging_dir`` says otherwise)::
+
+    STAGING/data/<id>            a staged file's whole content, written in place by the daemon
+    STAGING/records/<id>.json    one record, {"v": 1, "id", "seq", "kind", "path", "created"}
+    STAGING/records/*.tmp        a record being written (deleted at start)
+
+``id`` and ``seq`` are 16 hex digits from one counter (the largest seen + 1 at start). ``kind``:
+
+- ``file``: the object ``path`` must end up holding ``data/<id>``;
+- ``delete``: the object ``path`` must be deleted (a tombstone);
+- ``mkdir`` / ``rmdir``: the directory marker ``path/`` must exist / must not.
+
+A record is the truth; a data file without a record is garbage. Records are written
+atomically: temporary name, fsync, rename, fsync of the directory. ``seq`` orders records
+of one path: the record with the largest ``seq`` wins (``file`` and ``delete`` compete for a
+path; ``mkdir`` and ``rmdir`` for a directory).
+
+Who writes what, in order, and the crash state each step can leave (repair at the next start):
+
+1. Create (or copy-up of an existing object): create ``data/<id>``, fill it (copy-up), then write
+   the ``file`` record. Crash before the record: an orphan data file, deleted (the create or
+   open never returned, so nothing was acknowledged).
+2. Writes go to the data file with ``pwrite``; ``fsync`` of the file fsyncs it and its record
+   (local durability). A SIGKILL loses nothing written (the page cache survives); a power cut
+   loses what was written after the last fsync, as on a local disk.
+3. Rename: the record is rewritten with the new path and a new ``seq``, then a ``delete`` record
+   is written for the old path if an object may exist there. Crash in between: the old object
+   stays until the user deletes it (no data loss).
+4. Unlink: a ``delete`` record (when an object may exist), then the ``file`` record and the data
+   file are removed. Crash in between: two records for one path, the newer ``delete`` wins.
+5. Upload done (the object is complete and verified in the store): the ``file`` record is
+   removed, then the data file. Crash in between: an orphan data file, deleted; crash before:
+   the same content is uploaded again (idempotent).
+6. Superseded records (an older ``seq`` for the same path) are removed with their data at start.
+
+At start ``replay`` applies these repairs and returns the surviving records; the write-back
+engine re-queues every one of them. The journal itself holds no in-memory state beyond
+the counter: the engine (one trio thread) owns the index and calls these blocking
+functions from worker threads.
+"""
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FILE, DELETE, MKDIR, RMDIR = "file", "delete", "mkdir", "rmdir"
+_KINDS = (FILE, DELETE, MKDIR, RMDIR)
+
+
+@dataclass(slots=True)
+class Record:
+    id: int
+    seq: int
+    kind: str
+    path: str
+    created: float
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["id"], data["seq"] = f"{self.id:016x}", f"{self.seq:016x}"
+        return json.dumps({"v": FORMAT_VERSION, **data}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Record":
+        data = json.loads(raw)
+        if data.pop("v", None) != FORMAT_VERSION or data.get("kind") not in _KINDS:
+            raise ValueError(f"unknown record format: {raw[:200]!r}")
+        return cls(id=int(data["id"], 16), seq=int(data["seq"], 16), kind=data["kind"],
+                   path=str(data["path"]), created=float(data["created"]))
+
+    @property
+    def slot(self) -> tuple[bool, str]:
+        """What records compete for: (is a directory, path)."""
+        return self.kind in (MKDIR, RMDIR), self.path
+
+
+class Journal:
+    """The staging directory. Every method but ``next_seq`` and ``data_path`` may block."""
+
+    def __init__(self, root: str, *, fsync: bool = True) -> None:
+        self.root = root
+        self.fsync = fsync
+        self.data_dir = os.path.join(root, "data")
+        self.records_dir = os.path.join(root, "records")
+        os.makedirs(self.data_dir, exist_ok=True)
+        os.makedirs(self.records_dir, exist_ok=True)
+        self._counter = 0
+
+    def next_seq(self) -> int:
+        self._counter += 1
+        return self._counter
+
+    def data_path(self, ident: int) -> str:
+        return os.path.join(self.data_dir, f"{ident:016x}")
+
+    def _record_path(self, ident: int) -> str:
+        return os.path.join(self.records_dir, f"{ident:016x}.json")
+
+    # ---- data files --------------------------------------------------------------------------
+    def create_data(self, ident: int) -> int:
+        """A new, empty staging file opened read-write; returns its descriptor."""
+        return os.open(self.data_path(ident), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+    def remove_data(self, ident: int) -> None:
+        try:
+            os.unlink(self.data_path(ident))
+        except FileNotFoundError:
+            pass
+
+    def sync_data(self, fd: int) -> None:
+        os.fsync(fd)
+
+    # ---- records -----------------------------------------------------------------------------
+    def write_record(self, record: Record) -> None:
+        """Atomically create or replace ``record`` (temp, fsync, rename, directory fsync)."""
+        final = self._record_path(record.id)
+        temp = f"{final}.{record.seq:x}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, record.to_json())
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, final)
+        self._sync_dir()
+
+    def remove_record(self, ident: int) -> None:
+        try:
+            os.unlink(self._record_path(ident))
+        except FileNotFoundError:
+            return
+        self._sync_dir()
+
+    def sync_record(self) -> None:
+        """Records are fsynced when written; this makes their directory durable too."""
+        self._sync_dir()
+
+    def _sync_dir(self) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(self.records_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def replay(self) -> list[Record]:
+        """Repair the crash states listed in the module docstring; return the live records,
+        oldest first. Sets the counter past every id and seq seen."""
+        records = self._read_records()
+        winners: dict[tuple[bool, str], Record] = {}
+        for record in sorted(records, key=lambda r: r.seq):
+            loser = winners.get(record.slot)
+            winners[record.slot] = record
+            if loser is not None:
+                log.info("journal: %s record of %r superseded by a newer %s record", loser.kind, loser.path,
+                         record.kind)
+                self._drop(loser)
+        live = sorted(winners.values(), key=lambda r: r.seq)
+        live = [r for r in live if r.kind != FILE or self._has_data(r)]
+        self._remove_orphan_data({r.id for r in live if r.kind == FILE})
+        return live
+
+    def _read_records(self) -> list[Record]:
+        records = []
+        for name in os.listdir(self.records_dir):
+            full = os.path.join(self.records_dir, name)
+            if name.endswith(".tmp"):
+                os.unlink(full)           # a record whose rename never happened: never acknowledged
+                continue
+            try:
+                with open(full, "rb") as fh:
+                    record = Record.from_json(fh.read())
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("journal: unreadable record %s kept aside (%s)", full, exc)
+                os.rename(full, full + ".bad")
+                continue
+            self._counter = max(self._counter, record.id, record.seq)
+            records.append(record)
+        return records
+
+    def _has_data(self, record: Record) -> bool:
+        if os.path.exists(self.data_path(record.id)):
+            return True
+        log.error("journal: record of %r has no staging file; dropped", record.path)
+        self.remove_record(record.id)
+        return False
+
+    def _drop(self, record: Record) -> None:
+        self.remove_record(record.id)
+        if record.kind == FILE:
+            self.remove_data(record.id)
+
+    def _remove_orphan_data(self, live_ids: set[int]) -> None:
+        for name in os.listdir(self.data_dir):
+            try:
+                ident = int(name, 16)
+            except ValueError:
+                continue
+            self._counter = max(self._counter, ident)
+            if ident not in live_ids:
+                log.info("journal: removing unacknowledged staging file %s", name)
+                os.unlink(os.path.join(self.data_dir, name))

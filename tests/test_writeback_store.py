@@ -1,0 +1,85 @@
+"""Store writes against moto and memory://: put, multipart (visible only when complete),
+delete, copy and directory markers, with the same error mapping as reads."""
+
+import random
+
+import pytest
+
+from cachefs.errors import NoSuchKey
+from cachefs.local_s3 import s3_client
+from cachefs.metrics import Metrics
+from cachefs.store_fsspec import FsspecStore
+from cachefs.store_s3 import S3Options, S3Store
+from test_block_cache import MemoryBucket
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def s3(s3_server, bucket):
+    store = S3Store(bucket, "root", metrics=Metrics(), options=S3Options(endpoint_url=s3_server.endpoint_url))
+    yield store, s3_client(s3_server.endpoint_url), bucket
+    store.close()
+
+
+def test_put_head_get_delete(s3):
+    store, client, bucket = s3
+    info = store.put("a/b.txt", b"hello")
+    assert info.size == 5 and info.etag
+    assert store.head("a/b.txt").etag == info.etag
+    assert store.get("a/b.txt", 0, 5, info.etag, 5) == b"hello"
+    store.delete("a/b.txt")
+    store.delete("a/b.txt")                  # deleting a missing object succeeds
+    with pytest.raises(NoSuchKey):
+        store.head("a/b.txt")
+
+
+def test_multipart_object_appears_only_when_complete(s3):
+    store, client, bucket = s3
+    data = random.Random(1).randbytes(11 * MIB)
+    upload = store.start_upload("big.bin")
+    parts = [(1, store.upload_part("big.bin", upload, 1, data[:5 * MIB])),
+             (2, store.upload_part("big.bin", upload, 2, data[5 * MIB:10 * MIB]))]
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="root/")
+    parts.append((3, store.upload_part("big.bin", upload, 3, data[10 * MIB:])))
+    info = store.finish_upload("big.bin", upload, parts, len(data))
+    assert info.size == len(data) and info.etag.endswith("-3")
+    assert client.get_object(Bucket=bucket, Key="root/big.bin")["Body"].read() == data
+
+
+def test_aborted_upload_leaves_nothing(s3):
+    store, client, bucket = s3
+    upload = store.start_upload("gone.bin")
+    store.upload_part("gone.bin", upload, 1, b"x" * (5 * MIB))
+    store.abort_upload("gone.bin", upload)
+    store.abort_upload("gone.bin", upload)   # twice is fine
+    assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="root/")
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_copy_and_directory_markers(s3):
+    store, client, bucket = s3
+    store.put("src", b"payload")
+    assert store.copy("src", "dst").size == 7
+    store.make_dir("d/e")
+    listing = store.list_dir("d/")
+    assert listing.dirs == ["e"]
+    store.remove_dir("d/e")
+    assert store.list_dir("d/").dirs == []
+
+
+def test_fsspec_store_writes():
+    bucket = MemoryBucket()
+    try:
+        store = FsspecStore(bucket.url, metrics=Metrics())
+        assert store.put("x/y", b"abc").size == 3
+        upload = store.start_upload("m")
+        parts = [(2, store.upload_part("m", upload, 2, b"world")), (1, store.upload_part("m", upload, 1, b"hello "))]
+        info = store.finish_upload("m", upload, parts, 11)
+        assert store.get("m", 0, 11, info.etag, 11) == b"hello world"
+        assert store.copy("m", "n").size == 11
+        store.delete("m")
+        store.delete("m")
+        assert sorted(i.path for i in store.list_all()) == ["n", "x/y"]
+    finally:
+        bucket.remove()
