@@ -82,6 +82,11 @@ class MountConfig:
         "help": "seconds before listings and attributes are revalidated with the store"})
     immutable: bool = field(default=False, metadata={
         "help": "the dataset never changes: long kernel timeouts, no revalidation"})
+    # ---- warmup (docs/warmup.md) ----
+    prefetch_dataset: bool = field(default=False, metadata={
+        "help": "with --immutable: once a job reads many files of one directory, warm the rest of it"})
+    prefetch_budget: int = field(default=0, metadata={
+        "help": "most bytes --prefetch-dataset warms (0: half the disk tier)", "size": True})
     readahead_size: int = field(default=32 << 20, metadata={
         "help": "largest readahead window of a sequential reader", "size": True})
     max_fetches: int = field(default=32, metadata={"help": "concurrent object-store GETs for reads"})
@@ -90,6 +95,9 @@ class MountConfig:
     connect_timeout: float = field(default=5.0, metadata={"help": "seconds to connect to the store"})
     read_timeout: float = field(default=30.0, metadata={"help": "seconds to wait for store data"})
     max_attempts: int = field(default=5, metadata={"help": "tries per store request (5xx, throttling)"})
+    lean_get: bool = field(default=True, metadata={
+        "help": "S3 GETs signed with SigV4 and sent with urllib3, skipping botocore's request/response "
+                "machinery (half the client CPU); --no-lean-get uses plain boto3"})
     fsync_cache_files: bool = field(default=True, metadata={
         "help": "fsync disk-tier files before renaming them into place"})
     fill_workers: int = field(default=4, metadata={"help": "threads writing the disk tier"})

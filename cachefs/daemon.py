@@ -32,6 +32,7 @@ from .listing_snapshot import ListingSnapshot
 from .malloc_tuning import tune_malloc
 from .memory_tier import MemoryTier
 from .metrics import Exporter, Metrics
+from .prefetcher import Prefetcher
 from .store import ObjectStore, open_store
 from .vfs import Vfs
 from .writeback import Writeback, make_writeback
@@ -159,6 +160,11 @@ class Daemon:
                        writeback=self.writeback, fsync_remote=cfg.fsync == "remote")
         self.control = Control(self.vfs.new_fh)
         self.control.register("status", self._status_command)
+        self.prefetcher = Prefetcher(self.vfs, self.blocks, self.disk, metrics,
+                                     max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
+                                     prefetch_dataset=cfg.prefetch_dataset, prefetch_budget=cfg.prefetch_budget)
+        for name, command in self.prefetcher.commands().items():
+            self.control.register(name, command)
         if self.writeback is not None:
             self.control.register("sync", self._sync_command)
         uid = os.getuid() if cfg.uid is None else cfg.uid
@@ -192,7 +198,8 @@ class Daemon:
                 "store_read_bytes": int(m.counter_value("cachefs_store_read_bytes_total")),
                 "read_bytes": int(m.counter_value("cachefs_read_bytes_total")),
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
-                "writeback": self.writeback.status() if self.writeback else None}
+                "writeback": self.writeback.status() if self.writeback else None,
+                "warmup": self.prefetcher.status()}
 
     async def _status_command(self, args: dict) -> AsyncIterator[dict]:
         yield self.status()
@@ -218,7 +225,7 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
         store = open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
                            profile=cfg.profile, max_connections=cfg.max_connections,
                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
-                           max_attempts=cfg.max_attempts)
+                           max_attempts=cfg.max_attempts, lean_get=cfg.lean_get)
         store.check()
         daemon = Daemon(cfg, store, metrics)
         try:
@@ -244,6 +251,7 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.disk.run)
         await nursery.start(daemon.blocks.run)
+        await nursery.start(daemon.prefetcher.run)
         if daemon.writeback is not None:
             await nursery.start(daemon.writeback.run)
         options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs", "noatime"}

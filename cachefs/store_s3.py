@@ -35,6 +35,7 @@ from .errors import (
     VersionChanged,
 )
 from .metrics import Metrics
+from .signed_get import SignedGetter
 from .retry import call_with_retries
 from .store import Listing, ObjectInfo, ObjectStore
 
@@ -68,6 +69,7 @@ class S3Options:
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     max_attempts: int = 5
+    lean_get: bool = True             # GETs through signed_get (SigV4 + urllib3), not botocore
 
 
 # --- error classification and mapping ---------------------------------------------------------
@@ -117,7 +119,14 @@ def _map_client_error(exc: bx.ClientError, where: str, missing: type[StoreError]
 
 # --- the client ---------------------------------------------------------------------------------
 
-def make_client(options: S3Options) -> Any:
+def make_session(options: S3Options) -> Any:
+    try:
+        return boto3.session.Session(profile_name=options.profile)
+    except bx.ProfileNotFound as exc:
+        raise ConfigError(f"AWS profile {options.profile!r} not found") from exc
+
+
+def make_client(options: S3Options, session: Any = None) -> Any:
     """One thread-safe boto3 S3 client: path-style, big pool, no botocore retries."""
     if options.endpoint_url and "@" in options.endpoint_url:
         raise ConfigError("endpoint URL must not carry credentials")
@@ -126,11 +135,26 @@ def make_client(options: S3Options) -> Any:
                     retries={"total_max_attempts": 1, "mode": "standard"},
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required", tcp_keepalive=True)
-    try:
-        session = boto3.session.Session(profile_name=options.profile)
-    except bx.ProfileNotFound as exc:
-        raise ConfigError(f"AWS profile {options.profile!r} not found") from exc
+    session = session or make_session(options)
     return session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
+
+
+def _signed_getter(client: Any, session: Any, options: S3Options) -> SignedGetter | None:
+    """The lean GET path (see ``signed_get``), unless disabled or not usable here."""
+    credentials = session.get_credentials() if options.lean_get else None
+    if not SignedGetter.usable(client, credentials):
+        return None
+    return SignedGetter(client, credentials, max_connections=options.max_connections,
+                        connect_timeout=options.connect_timeout, read_timeout=options.read_timeout)
+
+
+def _get_headers(kwargs: dict[str, Any]) -> dict[str, str]:
+    headers = {}
+    if "IfMatch" in kwargs:
+        headers["If-Match"] = kwargs["IfMatch"]
+    if "Range" in kwargs:
+        headers["Range"] = kwargs["Range"]
+    return headers
 
 
 def _status_of(response: dict) -> str:
@@ -206,7 +230,9 @@ class S3Store(ObjectStore):
         self._root = f"{self.prefix}/" if self.prefix else ""
         self._metrics = metrics
         self._options = options
-        self._client = make_client(options)
+        session = make_session(options)
+        self._client = make_client(options, session)
+        self._getter = _signed_getter(self._client, session, options)
         self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
 
     def _url(self, key: str) -> str:
@@ -278,6 +304,8 @@ class S3Store(ObjectStore):
             kwargs["Range"] = f"bytes={want.start}-{want.end - 1}"
 
         def request() -> tuple[dict, bytes]:
+            if self._getter is not None:
+                return self._getter.get(self.bucket, key, _get_headers(kwargs))
             response = self._client.get_object(**kwargs)
             with response["Body"] as body:
                 return response, body.read()   # inside the attempt: a mid-body reset is retried
