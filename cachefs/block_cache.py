@@ -10,6 +10,7 @@ dropped and counted, never queued.
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -68,6 +69,7 @@ class BlockCache:
         self._prefetching = 0
         self._flights = SingleFlight(on_join=metrics.singleflight_joins.inc)
         self._nursery: trio.Nursery | None = None
+        self.on_first_read: Callable[[FileVersion], None] | None = None   # dataset prefetch hook
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Own the nursery in which readahead runs, until cancelled."""
@@ -90,6 +92,8 @@ class BlockCache:
             base = index * bs
             lo, hi = max(offset, base) - base, min(end, base + bs) - base
             parts.append(await self._read_block(f, index, lo, hi))
+        if offset == 0 and self.on_first_read is not None:
+            self.on_first_read(f)
         if stream is not None:
             window = stream.advance(offset, end, bs, self.readahead_size)
             if window:
@@ -158,3 +162,37 @@ class BlockCache:
             log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
         finally:
             self._prefetching -= 1
+
+    # --- warmup (cachefs/prefetcher.py) ---
+
+    def foreground_waiting(self) -> bool:
+        """Readers are queued for a fetch slot: a warmup should step back."""
+        return self._fetch_limiter.statistics().tasks_waiting > 0
+
+    def tiers_of(self, key: BlockKey) -> tuple[bool, bool]:
+        """(in the memory tier, in the disk tier)."""
+        return self.memory.contains(key), self.disk is not None and self.disk.contains(key)
+
+    async def warm_block(self, f: FileVersion, index: int, limiter: trio.CapacityLimiter) -> tuple[int, bool]:
+        """Put block ``index`` of ``f`` in the disk tier: (bytes fetched, cached now).
+
+        The GET runs under the warmup's ``limiter`` and joins (or leads) the block's single
+        flight, so a reader wanting it meanwhile waits for this GET instead of issuing a second;
+        the write goes straight to the disk tier (never the memory tier) and is awaited:
+        back-pressure instead of a dropped fill. A changed object raises VersionChanged (If-Match)."""
+        key = self.key(f, index)
+        if self.disk is None:
+            return 0, False
+        if self.disk.contains(key):
+            return 0, True
+        data = self.memory.get(key) if self.memory.contains(key) else None
+        fetched = 0
+        if data is None:
+            data = await self._flights.do(key, lambda: self._get(f, key, limiter))
+            fetched = len(data)
+        return fetched, await self.disk.warm(key, data)
+
+    async def _get(self, f: FileVersion, key: BlockKey, limiter: trio.CapacityLimiter) -> bytes:
+        end = min(key.offset + self.block_size, f.size)
+        return await trio.to_thread.run_sync(self.store.get, f.path, key.offset, end, f.etag, f.size,
+                                             limiter=limiter)

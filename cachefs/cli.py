@@ -21,7 +21,8 @@ EXIT_CODES = """exit codes:
   0 success            1 internal error (see the log)   2 bad arguments or config
   3 bucket/prefix not found   4 credentials refused       5 object store unreachable
   6 mountpoint missing, busy or not mounted               7 /dev/fuse or fusermount3 missing
-  8 cache dir unwritable or full   9 no daemon at that mountpoint   10 mount not ready in time"""
+  8 cache dir unwritable or full   9 no daemon at that mountpoint
+  10 timed out (mount not ready; sync --wait or umount could not upload all in time)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +52,7 @@ def _add_mount_options(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.metadata.get("mode"):
             default = f"{default:04o}"
-        text = f"{f.metadata['help']} (default: {_human(default)})"
+        text = f.metadata["help"] + ("" if default is None else f" (default: {_human(default)})")
         if "bool" in str(f.type):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=text)

@@ -278,3 +278,33 @@ def build_config(values: dict) -> MountConfig:
 
 def to_dict(cfg: MountConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def options_table() -> str:
+    """The README's option table, rendered from the fields (``python -m cachefs.config``)."""
+    rows = ["| option (flag / TOML key) | default | meaning |", "|---|---|---|"]
+    for f in option_fields():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name == "cache_dir":
+            default = "~/.cache/cachefs"
+        rows.append(f"| `--{f.name.replace('_', '-')}` / `{f.name}` | `{_render_default(f, default)}` | "
+                    f"{f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+def _render_default(f: dataclasses.Field, value) -> str:
+    if value is None:
+        return "-"
+    if f.metadata.get("mode"):
+        return f"{value:04o}"
+    if f.metadata.get("size") and isinstance(value, int) and value >= 1 << 20:
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20)):
+            if value % (1 << shift) == 0:
+                return f"{value >> shift}{unit}"
+    if isinstance(value, (tuple, list)):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+if __name__ == "__main__":
+    print(options_table())

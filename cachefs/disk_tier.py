@@ -19,7 +19,7 @@ Concurrency and crash protocol (DESIGN invariants 2, 3, 4, 6)
   reserved bytes + size <= capacity and the filesystem keeps ``free_space_ratio`` free. Evicted
   entries leave the index at once (reads miss) and the same worker thread unlinks their files
   *before* it writes, so the bytes on disk never exceed capacity. The thread writes ``tmp/``,
-  fsyncs, renames into ``blocks/`` and fsyncs the directory; only after the rename does the trio
+  fsyncs and renames into ``blocks/`` (no directory fsync: a lost rename is a miss); only after the rename does the trio
   thread add the entry to the index and release the reservation.
 * Every unlink (eviction, discard, corrupt block) is registered in ``_unlinking`` until it is
   done; a fill of the same digest waits for it, so an old unlink never removes a new file.
@@ -50,6 +50,7 @@ import secrets
 import struct
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ import xxhash
 from .block_key import BlockKey
 from .errors import CacheDirError, CorruptBlock
 from .metrics import Metrics
+from .pin_set import PinSet
+from .segmented_lru import Entry as _Entry
+from .segmented_lru import SegmentedLRU as _SegmentedLRU
 
 log = logging.getLogger(__name__)
 
@@ -206,69 +210,6 @@ class DiskHealth:
         self._errors.clear()
 
 
-# --- the index: a segmented LRU -------------------------------------------------------------
-
-class _Entry:
-    __slots__ = ("length", "size")
-
-    def __init__(self, size: int, length: int | None) -> None:
-        self.size = size          # file size, header included: what counts against capacity
-        self.length = length      # data length; None until the header was read (after a rebuild)
-
-
-class _SegmentedLRU:
-    """Scan-resistant index (SLRU). New entries enter probation; a hit there promotes the
-    entry to protected, which holds at most ``protected_cap`` bytes (its LRU entries are demoted
-    back to the probation MRU end). Victims come from probation first, so a one-pass scan
-    (every block filled once, never hit) only churns probation."""
-
-    def __init__(self, protected_cap: int) -> None:
-        self.protected_cap = protected_cap
-        self.bytes = 0
-        self.protected_bytes = 0
-        self._probation: OrderedDict[str, _Entry] = OrderedDict()
-        self._protected: OrderedDict[str, _Entry] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._probation) + len(self._protected)
-
-    def __contains__(self, digest: str) -> bool:
-        return digest in self._probation or digest in self._protected
-
-    def get(self, digest: str) -> _Entry | None:
-        return self._protected.get(digest) or self._probation.get(digest)
-
-    def add(self, digest: str, entry: _Entry) -> None:
-        self._probation[digest] = entry
-        self.bytes += entry.size
-
-    def touch(self, digest: str) -> None:
-        if digest in self._protected:
-            self._protected.move_to_end(digest)
-            return
-        entry = self._probation.pop(digest)
-        self._protected[digest] = entry
-        self.protected_bytes += entry.size
-        while self.protected_bytes > self.protected_cap and len(self._protected) > 1:
-            old, demoted = self._protected.popitem(last=False)
-            self.protected_bytes -= demoted.size
-            self._probation[old] = demoted
-
-    def remove(self, digest: str) -> _Entry | None:
-        entry = self._probation.pop(digest, None)
-        if entry is None:
-            entry = self._protected.pop(digest, None)
-            if entry is None:
-                return None
-            self.protected_bytes -= entry.size
-        self.bytes -= entry.size
-        return entry
-
-    def victim(self) -> str | None:
-        segment = self._probation or self._protected
-        return next(iter(segment), None)
-
-
 # --- the tier -----------------------------------------------------------------------------
 
 class _Open(NamedTuple):
@@ -283,6 +224,7 @@ class _FillJob:
     done: trio.Event = field(default_factory=trio.Event)
     ok: bool = False
     cancelled: bool = False
+    low: bool = False         # a warmup fill: its own writer threads, outside the fill queue's budget
 
 
 @dataclass(slots=True)
@@ -306,7 +248,8 @@ class DiskTier:
 
     def __init__(self, root: Path, *, capacity: int, free_space_ratio: float, metrics: Metrics,
                  fsync: bool = True, fill_workers: int = 4, max_pending_fill_bytes: int = 256 << 20,
-                 chunk_size: int = 128 << 10, health: DiskHealth | None = None) -> None:
+                 chunk_size: int = 128 << 10, health: DiskHealth | None = None,
+                 warm_workers: int = 8) -> None:
         self.root = Path(root)
         self.capacity = capacity
         self._free_ratio = free_space_ratio
@@ -327,6 +270,8 @@ class DiskTier:
         self._handles: OrderedDict[str, _Open] = OrderedDict()
         self._max_open = 256
         self._limiter = trio.CapacityLimiter(fill_workers)
+        self._warm_limiter = trio.CapacityLimiter(max(warm_workers, fill_workers))   # warmup writers
+        self.pins = PinSet(self.root / "pins")
         self._read_limiter = trio.CapacityLimiter(16)      # cold reads in flight (like an NVMe queue)
         self._fill_send, self._fill_recv = trio.open_memory_channel[_FillJob](math.inf)
         self._nursery: trio.Nursery | None = None
@@ -356,6 +301,10 @@ class DiskTier:
             raise CacheDirError(f"cannot use cache dir {self.root}: {exc.strerror or exc}") from exc
         if removed:
             log.info("removed %d stale temp files from %s", removed, self._tmp_dir)
+        pins = await trio.to_thread.run_sync(self.pins.load)
+        for digests in pins.values():
+            for digest in digests:
+                self._index.hold(digest)
         for _, digest, size in found:
             self._index.add(digest, _Entry(size, None))
         log.info("disk tier %s: %d blocks, %d bytes", self.root, len(self._index), self._index.bytes)
@@ -585,9 +534,10 @@ class DiskTier:
             return "no_space"
         return None
 
-    def _register(self, digest: str, data: bytes) -> _FillJob:
-        job = self._inflight[digest] = _FillJob(digest, bytes(data))
-        self._pending_bytes += len(job.data)
+    def _register(self, digest: str, data: bytes, low: bool = False) -> _FillJob:
+        job = self._inflight[digest] = _FillJob(digest, bytes(data), low=low)
+        if not low:
+            self._pending_bytes += len(job.data)
         return job
 
     async def _fill_worker(self, recv: trio.MemoryReceiveChannel[_FillJob]) -> None:
@@ -600,7 +550,8 @@ class DiskTier:
             job.ok = await self._write(job)
         finally:
             del self._inflight[job.digest]
-            self._pending_bytes -= len(job.data)
+            if not job.low:
+                self._pending_bytes -= len(job.data)
             job.done.set()
 
     async def _write(self, job: _FillJob) -> bool:
@@ -621,7 +572,7 @@ class DiskTier:
             errors = await trio.to_thread.run_sync(
                 self._write_file, [self._block_path(d) for d in room.doomed], tmp,
                 self._block_path(job.digest), job.data, self._chunk_size, self._fsync,
-                limiter=self._limiter)
+                limiter=self._warm_limiter if job.low else self._limiter)
             written = True
         except OSError as exc:
             self._write_failed(exc)
@@ -684,7 +635,9 @@ class DiskTier:
         ``capacity``. For the free-space estimate the fill takes ``grow`` bytes at most.
         """
         free, want = self._fs_room()
-        if self._reserved + size > self.capacity or free + self._index.bytes - size < want:
+        evictable = self._index.bytes - self._index.held_bytes
+        if (self._index.held_bytes + self._reserved + size > self.capacity
+                or free + evictable - size < want):
             return None
         room = _Room(size)
         while (self._index.bytes + self._reserved + size > self.capacity
@@ -716,6 +669,8 @@ class DiskTier:
     def _shrink_to_capacity(self) -> None:
         while self._index.bytes > self.capacity:
             digest = self._index.victim()
+            if digest is None:             # the rest is pinned: over capacity until unpinned
+                break
             self._schedule_unlink(digest, self._evict(digest))
         self._update_gauges()
 
@@ -786,6 +741,71 @@ class DiskTier:
             self._metrics.disk_health.set(self._health.state)
             log.info("cache disk %s is healthy again", self.root)
 
+    # -- warmup: low-priority fills, holds and pins (cachefs/prefetcher.py) --
+
+    async def warm(self, key: BlockKey, data: bytes) -> bool:
+        """Write a warmup's block and wait (back-pressure instead of a drop); True when cached.
+
+        Uses its own writer threads, and stays out of the foreground fill queue's byte budget,
+        so a warmup never makes a reader's fill be dropped as queue_full."""
+        digest = key.digest()
+        if self._already_there(digest):
+            job = self._inflight.get(digest)
+            if job is not None:
+                await job.done.wait()
+                return job.ok
+            return True
+        reason = self._refusal(len(data))
+        if reason is not None:
+            self._metrics.dropped_fills.labels(_TIER, reason).inc()
+            return False
+        job = self._register(digest, data, low=True)
+        await self._store(job)
+        return job.ok
+
+    def hold(self, digests: Iterable[str]) -> None:
+        """Keep these blocks from eviction (a running warmup's own blocks) until ``release``."""
+        for digest in digests:
+            self._index.hold(digest)
+
+    def release(self, digests: Iterable[str]) -> None:
+        for digest in digests:
+            self._index.release(digest)
+
+    def pin(self, name: str, digests: set[str]) -> None:
+        """Hold ``digests`` under ``name`` until ``unpin(name)``, across restarts."""
+        self.unpin(name)
+        self.pins.add(name, digests)
+        self.hold(digests)
+
+    def unpin(self, name: str) -> bool:
+        if name not in self.pins.pins:
+            return False
+        self.release(self.pins.remove(name))
+        return True
+
+    def discard_digest(self, digest: str) -> None:
+        job = self._inflight.get(digest)
+        if job is not None:
+            job.cancelled = True
+        self._drop(digest)
+
+    def file_size(self, data_len: int) -> int:
+        """Bytes a block of ``data_len`` bytes takes in the tier (header included)."""
+        return BlockHeader.file_size(data_len, self._chunk_size)
+
+    def contains_digest(self, digest: str) -> bool:
+        return self._health.state != DiskHealth.DOWN and digest in self._index
+
+    def room(self) -> dict:
+        """What a warmup may fill: capacity minus held (pinned or warming) bytes, and the free
+        bytes of the cache filesystem above the ``free_space_ratio`` watermark."""
+        free, want = self._fs_room()
+        held = self._index.held_bytes
+        return {"capacity": self.capacity, "used": self._index.bytes + self._reserved, "held": held,
+                "room": max(0, min(self.capacity - held - self._reserved,
+                                   int(free - want) + self._index.bytes - held))}
+
     # -- small helpers --
 
     def _block_path(self, digest: str) -> Path:
@@ -801,6 +821,7 @@ class DiskTier:
             "capacity": self.capacity,
             "blocks": len(self._index),
             "protected_bytes": self._index.protected_bytes,
+            "held_bytes": self._index.held_bytes,
             "pending_fill_bytes": self._pending_bytes,
             "health": self._health.name,
         }
@@ -946,23 +967,20 @@ def _write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, c
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            _write_all(fd, header)
-            _write_all(fd, data)
+            written = os.writev(fd, [header, data])
+            if written < len(header) + len(data):    # a short writev (rare): finish the rest
+                _write_all(fd, (header + data)[written:])
             if fsync:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
+        # No directory fsync: a rename lost in a crash is only a cache miss. The data is durable
+        # before the rename, so a block file that exists never holds unwritten bytes.
         os.rename(tmp, final)
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
         raise
-    if fsync:
-        fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
     return errors
 
 

@@ -31,6 +31,7 @@ def render(status: dict) -> str:
                  f"{status['corrupt_blocks']}")
     lines.append(f"  metrics {'http://' + status['metrics'] + '/metrics' if status['metrics'] else 'off'}")
     lines.extend(_writeback_lines(status.get("writeback")))
+    lines.extend(_warmup_lines(status.get("warmup")))
     return "\n".join(lines)
 
 
@@ -56,3 +57,17 @@ def pending_line(pending: dict) -> str:
     if pending.get("failing"):
         text += f", {pending['failing']} failing: {'; '.join(pending.get('errors', []))}"
     return text
+
+
+def _warmup_lines(w: dict | None) -> list[str]:
+    """One line per running warmup (files, bytes, rate), else the last one; the pins."""
+    if not w:
+        return []
+    lines = []
+    for r in w["running"] or ([w["last"]] if w.get("last") else []):
+        lines.append(f"  warmup  {r['dataset']}: {r['state']}, {r['done_files']}/{r['files']} files, "
+                     f"{size(r['done_bytes'])}/{size(r['bytes'])}, {r['rate_bytes_s'] / 1e6:.1f} MB/s, "
+                     f"{r['failed_files']} failed")
+    if w.get("pinned"):
+        lines.append(f"  pinned  {len(w['pinned'])} dataset(s), {sum(w['pinned'].values())} blocks")
+    return lines

@@ -630,3 +630,35 @@ class Vfs:
             self._uploaded = {p: v for p, v in self._uploaded.items() if now - v[1] < 300}
         if self.snapshot is not None:
             self.snapshot.update_file(info)
+
+    # ---- warmup (cachefs/prefetcher.py) ----------------------------------------------------
+    def adopt_tree(self, path: str, infos: list[ObjectInfo], listed_at: float) -> None:
+        """Take a recursive listing (every object below directory ``path``, as ``list_all``
+        returns it) as the listing of ``path`` and of each directory under it, in memory and
+        in the snapshot: reading the tree then issues no LIST until the TTL runs out."""
+        prefix = dir_prefix(path)
+        listings: dict[str, Listing] = {path: Listing()}
+        for info in infos:
+            parent = path
+            for name in info.path[len(prefix):].split("/")[:-1]:
+                child = join(parent, name)
+                if child not in listings:
+                    listings[child] = Listing()
+                    listings[parent].dirs.append(name)
+                parent = child
+            listings[parent].files.append(info)
+        for dir_path, listing in listings.items():
+            state = self._dirs[dir_path] = DirState.from_listing(listing, listed_at)
+            if self.snapshot is not None:
+                self.snapshot.save(dir_prefix(dir_path), listing, listed_at)
+            self._refresh_known_children(dir_path, state, listed_at)
+            self._overlay(dir_path, state)
+
+    def adopt_file(self, info: ObjectInfo) -> None:
+        """A newer version of a file (a warmup's HEAD after a 412): show it from now on."""
+        inode = self._by_path.get(info.path)
+        if inode is not None and not self._nodes[inode].is_dir and self._nodes[inode].staged is None:
+            self._nodes[inode].update(info, time.time())
+        self._set_file(info.path, info)
+        if self.snapshot is not None:
+            self.snapshot.update_file(info)

@@ -104,7 +104,7 @@ def test_round_trip_writes_the_documented_format(tmp_path):
 
 
 @pytest.mark.parametrize("fsync", [True, False])
-def test_fill_fsyncs_file_and_directory_before_the_block_is_indexed(tmp_path, monkeypatch, fsync):
+def test_fill_makes_data_durable_before_the_rename_that_indexes_it(tmp_path, monkeypatch, fsync):
     tier = make_tier(tmp_path, fsync=fsync)
     events = []
     real_fdatasync, real_fsync, real_rename = os.fdatasync, os.fsync, os.rename
@@ -119,7 +119,8 @@ def test_fill_fsyncs_file_and_directory_before_the_block_is_indexed(tmp_path, mo
         assert await tier.fill(key(1), blob(1))
     serve(tier, body)
     rename = ("rename", "tmp", "blocks")
-    assert events == (["fdatasync", rename, "fsync"] if fsync else [rename])
+    # no directory fsync: a rename lost in a crash is only a cache miss
+    assert events == (["fdatasync", rename] if fsync else [rename])
 
 
 def test_partial_reads_at_chunk_boundaries_and_last_partial_chunk(tmp_path):

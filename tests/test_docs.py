@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from cachefs.config import option_fields
+from cachefs.config import option_fields, options_table
 from cachefs.errors import ExitCode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +22,8 @@ def test_readme_opens_with_the_two_setup_commands():
 def test_every_mount_option_is_documented():
     missing = [f.name for f in option_fields() if f"`{f.name}`" not in README]
     assert not missing, f"options missing from README: {missing}"
+    block = re.search(r"<!-- options:begin[^>]*-->\n(.*?)\n<!-- options:end -->", README, re.S).group(1)
+    assert block == options_table(), "README option table is stale: paste `python -m cachefs.config`"
 
 
 def test_every_exit_code_is_documented():

@@ -1,0 +1,72 @@
+"""`--prefetch-dataset`: when a job reads many distinct files of one dataset on an immutable
+mount, warm the rest of it in the background (a detached warmup of the lowest common
+directory of those files), unless it exceeds the byte budget or the room in the cache.
+
+The hook runs in the trio thread on the first read of each open file (``BlockCache.read``
+at offset 0) and only counts; the warmup itself runs in the prefetcher's nursery, below
+readers in priority like any warmup.
+"""
+
+import logging
+import posixpath
+import time
+from collections import OrderedDict
+
+from .block_cache import FileVersion
+from .warm_job import WarmSpec
+
+log = logging.getLogger(__name__)
+
+
+class DatasetWatcher:
+    def __init__(self, prefetcher, budget: int, *, min_files: int = 32, window: float = 120.0,
+                 concurrency: int = 32) -> None:
+        self.prefetcher = prefetcher
+        self.budget = budget
+        self.min_files = min_files
+        self.window = window
+        self.concurrency = concurrency
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._tried: dict[str, str] = {}       # dataset dir -> what happened
+
+    def on_first_read(self, f: FileVersion) -> None:
+        if any(_within(f.path, root) for root in self._tried):
+            return
+        now = time.monotonic()
+        self._seen[f.path] = now
+        self._seen.move_to_end(f.path)
+        while self._seen and next(iter(self._seen.values())) < now - self.window:
+            self._seen.popitem(last=False)
+        if len(self._seen) >= self.min_files:
+            self._trigger(_common_dir(list(self._seen)))
+
+    def _trigger(self, root: str) -> None:
+        self._seen.clear()
+        self._tried[root] = "started"
+        try:
+            job = self.prefetcher.start(WarmSpec(paths=(root,)), concurrency=self.concurrency, detach=True,
+                                        label=f"dataset prefetch of /{root}", budget=self.budget)
+        except Exception as exc:            # never fail the read that triggered it
+            self._tried[root] = f"not started: {exc}"
+            return
+        log.info("dataset prefetch: warming /%s in the background (budget %d bytes)", root, self.budget)
+        self.prefetcher._nursery.start_soon(self._record, root, job)
+
+    async def _record(self, root: str, job) -> None:
+        await job.done.wait()
+        self._tried[root] = job.state if not job.error else f"{job.state}: {job.error}"
+        if job.state == "refused":
+            log.info("dataset prefetch of /%s is off: %s", root, job.error)
+
+    def status(self) -> dict:
+        return {"budget": self.budget, "datasets": dict(self._tried)}
+
+
+def _within(path: str, root: str) -> bool:
+    return not root or path == root or path.startswith(root + "/")
+
+
+def _common_dir(paths: list[str]) -> str:
+    parents = [posixpath.dirname(p) for p in paths]
+    common = posixpath.commonpath(parents) if all(parents) else ""
+    return common

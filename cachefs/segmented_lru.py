@@ -1,0 +1,111 @@
+"""The disk tier's index: a scan-resistant segmented LRU of block files, with held entries.
+
+Plain synchronous code owned by the trio thread (DESIGN invariant 6). Keys are block digests.
+"""
+
+from collections import OrderedDict
+
+
+class Entry:
+    __slots__ = ("length", "size")
+
+    def __init__(self, size: int, length: int | None) -> None:
+        self.size = size          # file size, header included: what counts against capacity
+        self.length = length      # data length; None until the header was read (after a rebuild)
+
+
+class SegmentedLRU:
+    """Scan-resistant index (SLRU). New entries enter probation; a hit there promotes the
+    entry to protected, which holds at most ``protected_cap`` bytes (its LRU entries are demoted
+    back to the probation MRU end). Victims come from probation first, so a one-pass scan
+    (every block filled once, never hit) only churns probation.
+
+    A *held* digest (``hold`` counted once per holder: a running warmup, each pin) sits in a
+    third segment that ``victim`` never returns; a hold may precede the entry (it is placed
+    there when added) and outlive it."""
+
+    def __init__(self, protected_cap: int) -> None:
+        self.protected_cap = protected_cap
+        self.bytes = 0
+        self.protected_bytes = 0
+        self.held_bytes = 0
+        self._probation: OrderedDict[str, Entry] = OrderedDict()
+        self._protected: OrderedDict[str, Entry] = OrderedDict()
+        self._held: dict[str, Entry] = {}
+        self._holds: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected) + len(self._held)
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._probation or digest in self._protected or digest in self._held
+
+    def get(self, digest: str) -> Entry | None:
+        return self._protected.get(digest) or self._probation.get(digest) or self._held.get(digest)
+
+    def add(self, digest: str, entry: Entry) -> None:
+        if digest in self._holds:
+            self._held[digest] = entry
+            self.held_bytes += entry.size
+        else:
+            self._probation[digest] = entry
+        self.bytes += entry.size
+
+    def touch(self, digest: str) -> None:
+        if digest in self._protected:
+            self._protected.move_to_end(digest)
+            return
+        if digest in self._held:
+            return
+        entry = self._probation.pop(digest)
+        self._protected[digest] = entry
+        self.protected_bytes += entry.size
+        while self.protected_bytes > self.protected_cap and len(self._protected) > 1:
+            old, demoted = self._protected.popitem(last=False)
+            self.protected_bytes -= demoted.size
+            self._probation[old] = demoted
+
+    def remove(self, digest: str) -> Entry | None:
+        entry = self._probation.pop(digest, None)
+        if entry is None:
+            entry = self._protected.pop(digest, None)
+            if entry is not None:
+                self.protected_bytes -= entry.size
+            else:
+                entry = self._held.pop(digest, None)
+                if entry is None:
+                    return None
+                self.held_bytes -= entry.size
+        self.bytes -= entry.size
+        return entry
+
+    def victim(self) -> str | None:
+        segment = self._probation or self._protected
+        return next(iter(segment), None)
+
+    def hold(self, digest: str) -> None:
+        """Keep ``digest`` from eviction until as many ``release`` calls as ``hold`` calls."""
+        self._holds[digest] = self._holds.get(digest, 0) + 1
+        if self._holds[digest] == 1:
+            entry = self._probation.pop(digest, None)
+            if entry is None:
+                entry = self._protected.pop(digest, None)
+                if entry is not None:
+                    self.protected_bytes -= entry.size
+            if entry is not None:
+                self._held[digest] = entry
+                self.held_bytes += entry.size
+
+    def release(self, digest: str) -> None:
+        count = self._holds.get(digest, 0) - 1
+        if count > 0:
+            self._holds[digest] = count
+            return
+        self._holds.pop(digest, None)
+        entry = self._held.pop(digest, None)
+        if entry is not None:
+            self.held_bytes -= entry.size
+            self._probation[digest] = entry
+
+    def is_held(self, digest: str) -> bool:
+        return digest in self._holds

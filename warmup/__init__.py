@@ -1,0 +1,4 @@
+"""`cachefs warmup`: fill a running mount's cache with a dataset before a training run.
+
+A thin client of the daemon's control file (``cachefs/prefetcher.py`` does the work).
+"""
