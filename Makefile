@@ -1,5 +1,6 @@
 # Two entry points: `make demo` (the whole job on a local S3 server) and `make test`.
-# Both install what they need: Debian's fuse3/libfuse3-dev/pkg-config (as root) and a virtualenv.
+# Both install what they need: Debian's fuse3/libfuse3-dev/pkg-config and Ceph's mon/osd/mgr/radosgw
+# (tests/test_rgw.py runs a throw-away Ceph RGW) as root, and a virtualenv.
 PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
@@ -16,7 +17,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_read.py --quick
 
 deps:
-	@missing=""; for p in fuse3 libfuse3-dev pkg-config gcc; do \
+	@missing=""; for p in fuse3 libfuse3-dev pkg-config gcc ceph-mon ceph-osd ceph-mgr radosgw; do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then echo "please install:$$missing (as root)"; exit 1; fi; \

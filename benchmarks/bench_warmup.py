@@ -33,7 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import dataset, readers
 from benchmarks.bench_read import BUCKET, PREFIX, resolve_server, use_local_credentials
-from benchmarks.cachefs_mount import CachefsMount, cachefs_command, drop_page_cache, remove_tree
+from benchmarks.cachefs_mount import (
+    CachefsMount,
+    cachefs_command,
+    drop_page_cache,
+    remove_tree,
+)
 from benchmarks.peer_mounts import RcloneMount, S3fsMount, s3fs_available
 from benchmarks.readers import Result, Tally
 from benchmarks.s3_servers import ProxyProcess, start_server

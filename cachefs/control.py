@@ -8,7 +8,6 @@ generator registered by name: a long command (a warmup) streams progress lines.
 """
 
 import errno
-import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable

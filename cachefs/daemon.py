@@ -25,9 +25,8 @@ from .block_cache import BlockCache
 from .config import MountConfig
 from .control import Control
 from .disk_tier import DiskTier
-from .errors import CachefsError, CacheDirError, ConfigError, FuseUnavailable, MountpointError
+from .errors import CacheDirError, CachefsError, ConfigError, FuseUnavailable, MountpointError
 from .fuse_ops import Operations
-from .journal import Journal
 from .listing_snapshot import ListingSnapshot
 from .malloc_tuning import tune_malloc
 from .memory_tier import MemoryTier

@@ -498,6 +498,9 @@ class DiskTier:
 
     async def fill(self, key: BlockKey, data: bytes) -> bool:
         """Write ``data`` now and wait; True when the block is cached."""
+        return await self._fill_now(key, data, low=False)
+
+    async def _fill_now(self, key: BlockKey, data: bytes, *, low: bool) -> bool:
         digest = key.digest()
         if self._already_there(digest):
             job = self._inflight.get(digest)
@@ -509,7 +512,7 @@ class DiskTier:
         if reason is not None:
             self._metrics.dropped_fills.labels(_TIER, reason).inc()
             return False
-        job = self._register(digest, data)
+        job = self._register(digest, data, low=low)
         await self._store(job)
         return job.ok
 
@@ -748,20 +751,7 @@ class DiskTier:
 
         Uses its own writer threads, and stays out of the foreground fill queue's byte budget,
         so a warmup never makes a reader's fill be dropped as queue_full."""
-        digest = key.digest()
-        if self._already_there(digest):
-            job = self._inflight.get(digest)
-            if job is not None:
-                await job.done.wait()
-                return job.ok
-            return True
-        reason = self._refusal(len(data))
-        if reason is not None:
-            self._metrics.dropped_fills.labels(_TIER, reason).inc()
-            return False
-        job = self._register(digest, data, low=True)
-        await self._store(job)
-        return job.ok
+        return await self._fill_now(key, data, low=True)
 
     def hold(self, digests: Iterable[str]) -> None:
         """Keep these blocks from eviction (a running warmup's own blocks) until ``release``."""

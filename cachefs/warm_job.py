@@ -95,7 +95,7 @@ def static_dir(pattern: str) -> str:
 class FileWork:
     """One file of a warmup: the version being warmed and its blocks still to do."""
 
-    __slots__ = ("version", "pending", "fetched", "failed", "restarts")
+    __slots__ = ("failed", "fetched", "pending", "restarts", "version")
 
     def __init__(self, info: ObjectInfo) -> None:
         self.version = FileVersion(info.path, info.etag, info.size)

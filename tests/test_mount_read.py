@@ -1,7 +1,6 @@
 """Real FUSE mounts of a moto S3 bucket: the filesystem view, reads, tiers across remounts."""
 
 import errno
-import filecmp
 import hashlib
 import os
 import random
@@ -10,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from mounts import put_tree
 
 from cachefs.local_s3 import s3_client
-from mounts import put_tree
 
 pytestmark = pytest.mark.fuse
 

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import trio
+from test_block_cache import BS, blob, bucket_mem, make_cache  # noqa: F401  (fixture)
 
 from cachefs.block_cache import FileVersion
 from cachefs.disk_tier import DiskTier
@@ -13,7 +14,6 @@ from cachefs.prefetcher import Prefetcher
 from cachefs.segmented_lru import Entry, SegmentedLRU
 from cachefs.vfs import Vfs
 from cachefs.warm_job import WarmSpec, glob_regex, static_dir
-from test_block_cache import BS, blob, bucket_mem, make_cache  # noqa: F401  (fixture)
 
 
 def run_with(bucket, tmp_path, body, *, capacity: int = 64 << 20):

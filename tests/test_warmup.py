@@ -10,10 +10,10 @@ import time
 from urllib.parse import urlparse
 
 import pytest
+from mounts import CACHEFS, cachefs, put_tree
 
 from benchmarks.latency_proxy import LatencyProxy
 from cachefs.local_s3 import s3_client
-from mounts import CACHEFS, cachefs, put_tree
 
 pytestmark = pytest.mark.fuse
 
