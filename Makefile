@@ -17,11 +17,16 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_read.py --quick
 
 deps:
-	@missing=""; for p in fuse3 libfuse3-dev pkg-config gcc ceph-mon ceph-osd ceph-mgr radosgw; do \
-	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  if [ "$$(id -u)" != 0 ]; then echo "please install:$$missing (as root)"; exit 1; fi; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	@$(call apt_install,fuse3 libfuse3-dev pkg-config gcc,)
+	@$(call apt_install,ceph-mon ceph-osd ceph-mgr radosgw,--no-install-recommends)
+
+# $(1): Debian packages; $(2): extra apt-get flags. Installs the missing ones (root only).
+define apt_install
+missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+if [ -n "$$missing" ]; then \
+  if [ "$$(id -u)" != 0 ]; then echo "please install:$$missing (as root)"; exit 1; fi; \
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) $$missing; fi
+endef
 
 $(STAMP): pyproject.toml | deps
 	$(PYTHON) -m venv $(VENV)

@@ -9,10 +9,13 @@ own process (10 ms added per request), a cachefs mount of a fresh bucket with
 ``--checkpoint-quiet-period 0`` (upload as soon as the file is closed), the cache dir and the
 local baseline on the same disk. ``--profile DIR`` records the daemon with py-spy (raw, threads).
 
-1. local: write SIZE in 8 MiB writes to a local file, time to close() (no fsync on either side);
+1. local: write SIZE in 8 MiB writes to a local file, time to close() (no fsync on either side;
+   ``os.sync()`` before each timed phase so none pays for the previous one's dirty pages);
 2. mount: the same writes to ``ckpt.pt`` on the mount, time to close(); then the time from
    close() until the object is complete in the bucket (HEAD polled every 20 ms);
-3. boto3 ``upload_file`` of the local file through the same proxy, same part size and concurrency;
+3. boto3 ``upload_file`` through the same proxy, same part size and concurrency, started right
+   after writing the local file (as the mount's upload starts right after close: both compete with
+   the flush of 1 GiB of dirty pages); ``boto3_upload_clean_s``: again after ``os.sync()``;
 4. log lag: while a second checkpoint uploads, a line is appended to ``train.log`` every 100 ms;
    the bucket copy is polled every 50 ms; lag = first seen in the bucket - written.
 """
@@ -101,6 +104,7 @@ def mount_checkpoint(mnt: Path, client, pid: int, size: int, block: bytes, profi
         Path(profile).mkdir(parents=True, exist_ok=True)
         profiler = start_profiler(pid, Path(profile) / f"{name}.txt")
         time.sleep(1.0)
+    os.sync()
     cpu = daemon_cpu(pid)
     try:
         close_s = write_file(mnt / "ckpt.pt", size, block)
@@ -165,7 +169,9 @@ def main(argv=None) -> int:
         make_bucket(server.endpoint_url, "bench-write")
         client = s3_client(proxy.endpoint_url)
         local = work / "local.pt"
+        os.sync()                 # each timed phase starts with no dirty pages from the one before
         results["local_close_s"] = write_file(local, size, block)
+        os.sync()
         mnt = work / "mnt"
         mnt.mkdir(exist_ok=True)
         run_cli("mount", "s3://bench-write", str(mnt), "--endpoint-url", proxy.endpoint_url,
@@ -179,9 +185,15 @@ def main(argv=None) -> int:
                 mount_checkpoint(mnt, client, pid, size, block, args.profile, "checkpoint")
             config = TransferConfig(multipart_threshold=part, multipart_chunksize=part,
                                     max_concurrency=args.concurrency)
+            os.sync()
+            write_file(local, size, block)      # as on the mount: the upload starts at close
             started = time.perf_counter()
             client.upload_file(str(local), "bench-write", "boto3.pt", Config=config)
             results["boto3_upload_s"] = time.perf_counter() - started
+            os.sync()
+            started = time.perf_counter()
+            client.upload_file(str(local), "bench-write", "boto3-clean.pt", Config=config)
+            results["boto3_upload_clean_s"] = time.perf_counter() - started
             if args.profile:
                 profiler = start_profiler(pid, Path(args.profile) / "log-lag.txt")
             writer = threading.Thread(target=write_file, args=(mnt / "ckpt2.pt", size, block))

@@ -239,12 +239,20 @@ def cmd_sync(args: argparse.Namespace) -> int:
 def _wait_exit(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not process_alive(pid):
             return True
-        time.sleep(0.05)
+        time.sleep(0.02)
     return False
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie: the daemon is another session's child, and whoever reaps it
+    (init, a container's pid 1) may take a while; it has finished once it is a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ from .errors import (
 )
 from .metrics import Metrics
 from .signed_get import SignedGetter
+from .signed_put import SignedPutter
 from .retry import call_with_retries
 from .store import Listing, ObjectInfo, ObjectStore
 
@@ -70,6 +71,7 @@ class S3Options:
     read_timeout: float = 30.0
     max_attempts: int = 5
     lean_get: bool = True             # GETs through signed_get (SigV4 + urllib3), not botocore
+    lean_put: bool = True             # PUTs and parts through signed_put, not botocore
 
 
 # --- error classification and mapping ---------------------------------------------------------
@@ -145,6 +147,16 @@ def _signed_getter(client: Any, session: Any, options: S3Options) -> SignedGette
     if not SignedGetter.usable(client, credentials):
         return None
     return SignedGetter(client, credentials, max_connections=options.max_connections,
+                        connect_timeout=options.connect_timeout, read_timeout=options.read_timeout)
+
+
+def _signed_putter(client: Any, session: Any, options: S3Options) -> SignedPutter | None:
+    """The lean PUT path (see ``signed_put``), unless disabled or not usable here."""
+    lean = options.lean_put and options.lean_get     # --no-lean-get: plain boto3 for every request
+    credentials = session.get_credentials() if lean else None
+    if not SignedPutter.usable(client, credentials):
+        return None
+    return SignedPutter(client, credentials, max_connections=options.max_connections,
                         connect_timeout=options.connect_timeout, read_timeout=options.read_timeout)
 
 
@@ -233,6 +245,7 @@ class S3Store(ObjectStore):
         session = make_session(options)
         self._client = make_client(options, session)
         self._getter = _signed_getter(self._client, session, options)
+        self._putter = _signed_putter(self._client, session, options)
         self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
 
     def _url(self, key: str) -> str:
@@ -352,10 +365,17 @@ class S3Store(ObjectStore):
 
     # --- writes ---
 
+    def _lean(self, op: str, key: str, send: Callable[[], dict]) -> dict:
+        """A retried, counted request through the lean PUT path."""
+        return self._call(op, key, lambda: self._timed(op, lambda: (send(), None))[0])
+
     def put(self, path: str, data: bytes) -> ObjectInfo:
         key = self._root + path
-        response = self._simple("put", key, "put_object", Bucket=self.bucket, Key=key, Body=data,
-                                ContentMD5=_md5(data))
+        if self._putter is not None:     # a signed SHA-256 of the body: the server checks it
+            response = self._lean("put", key, lambda: self._putter.put(self.bucket, key, data))
+        else:
+            response = self._simple("put", key, "put_object", Bucket=self.bucket, Key=key, Body=data,
+                                    ContentMD5=_md5(data))
         return ObjectInfo(path=path, size=len(data), mtime=time.time(), etag=_etag(response.get("ETag")))
 
     def start_upload(self, path: str) -> str:
@@ -365,8 +385,14 @@ class S3Store(ObjectStore):
 
     def upload_part(self, path: str, upload_id: str, number: int, data: bytes) -> str:
         key = self._root + path
-        response = self._simple("upload_part", key, "upload_part", Bucket=self.bucket, Key=key,
-                                UploadId=upload_id, PartNumber=number, Body=data, ContentMD5=_md5(data))
+        if self._putter is not None:
+            response = self._lean("upload_part", key,
+                                  lambda: self._putter.upload_part(self.bucket, key, upload_id, number, data))
+        else:
+            response = self._simple("upload_part", key, "upload_part", Bucket=self.bucket, Key=key,
+                                    UploadId=upload_id, PartNumber=number, Body=data, ContentMD5=_md5(data))
+        if not response.get("ETag"):
+            raise BadResponse(f"upload_part {self._url(key)}: part {number} answered without an ETag")
         return _etag(response.get("ETag"))
 
     def finish_upload(self, path: str, upload_id: str, parts: list[tuple[int, str]], size: int) -> ObjectInfo:

@@ -53,6 +53,7 @@ CLASSES = (LOG, CHECKPOINT)
 _COPY_CHUNK = 8 << 20
 _MAX_BACKOFF = 60.0
 _TICK = 0.25
+_LOG_PRIORITY_WAIT = 1.0
 _UNTOUCHED = sys.maxsize
 
 
@@ -225,6 +226,9 @@ class Writeback:
                           CHECKPOINT: trio.CapacityLimiter(upload_concurrency)}
         self._io = trio.CapacityLimiter(8)          # fsync and record writes
         self._busy: set[str] = set()
+        self._log_uploads = 0                       # log-class uploads in flight: checkpoint parts wait
+        self._logs_idle = trio.Event()
+        self._logs_idle.set()
         self._copyups = SingleFlight()
         self._wake = trio.Event()
         self._changed = trio.Event()
@@ -314,6 +318,8 @@ class Writeback:
 
     # ---- uploads ---------------------------------------------------------------------------------
     async def _upload(self, entry: StagedFile, job: _Job) -> None:
+        if job.cls == LOG:
+            self._log_started()
         try:
             if job.size <= self.part_size:
                 info = await self._put_whole(entry, job)
@@ -330,7 +336,26 @@ class Writeback:
             os.close(job.fd)
             entry.uploading = None
             self._busy.discard(job.path)
+            if job.cls == LOG:
+                self._log_finished()
             self._notify()
+
+    def _log_started(self) -> None:
+        if self._log_uploads == 0:
+            self._logs_idle = trio.Event()
+        self._log_uploads += 1
+
+    def _log_finished(self) -> None:
+        self._log_uploads -= 1
+        if self._log_uploads == 0:
+            self._logs_idle.set()
+
+    async def _logs_first(self) -> None:
+        """Log uploads go before checkpoint parts: a part starts only when no log upload runs
+        (a log upload is small; parts already sending finish). A part waits at most
+        ``_LOG_PRIORITY_WAIT``, so a slow or failing log upload cannot stall a checkpoint."""
+        with trio.move_on_after(_LOG_PRIORITY_WAIT):
+            await self._logs_idle.wait()
 
     def _check(self, entry: StagedFile, job: _Job) -> None:
         if job.cancelled or entry.deleted or entry.path != job.path or entry.low_write < job.size:
@@ -373,6 +398,7 @@ class Writeback:
         async def part(index: int) -> None:
             try:
                 async with limiter:
+                    await self._logs_first()
                     self._check(entry, job)
                     etags[index] = await trio.to_thread.run_sync(send, index + 1)
             except (Superseded, StoreError, OSError) as exc:

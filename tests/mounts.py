@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.cli import process_alive
 from cachefs.control_client import request
 from cachefs.daemon import find_mount
 
@@ -94,13 +95,7 @@ class Mount:
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+    while time.monotonic() < deadline and process_alive(pid):
         time.sleep(0.02)
 
 
