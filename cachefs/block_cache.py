@@ -25,6 +25,8 @@ from .store import ObjectStore
 
 log = logging.getLogger(__name__)
 
+PRELOAD_MAX = 1 << 20     # largest file pushed into the kernel page cache at open
+
 
 @dataclass(frozen=True, slots=True)
 class FileVersion:
@@ -100,6 +102,18 @@ class BlockCache:
                 self._readahead(f, end, window)
         self.metrics.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def preload(self, f: FileVersion) -> bytes | None:
+        """The whole content of a small file whose one block is on the disk tier (read in a
+        worker thread if its cache file is cold), for the FUSE adapter to hand to the kernel at
+        open: the READ request that would follow never happens. None otherwise."""
+        if self.disk is None or not 0 < f.size <= min(self.block_size, PRELOAD_MAX):
+            return None
+        key = self.key(f, 0)
+        if self.memory.contains(key) or not self.disk.contains(key):
+            return None
+        data = await self.disk.read_async(key, 0, f.size)
+        return data if data is not None and len(data) == f.size else None
 
     async def _read_block(self, f: FileVersion, index: int, lo: int, hi: int) -> bytes:
         key = self.key(f, index)

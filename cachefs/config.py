@@ -95,9 +95,10 @@ class MountConfig:
     connect_timeout: float = field(default=5.0, metadata={"help": "seconds to connect to the store"})
     read_timeout: float = field(default=30.0, metadata={"help": "seconds to wait for store data"})
     max_attempts: int = field(default=5, metadata={"help": "tries per store request (5xx, throttling)"})
-    lean_get: bool = field(default=True, metadata={
-        "help": "S3 GETs signed with SigV4 and sent with urllib3, skipping botocore's request/response "
-                "machinery (half the client CPU); --no-lean-get uses plain boto3"})
+    lean_requests: bool = field(default=True, metadata={
+        "help": "S3 GETs, PUTs and UploadParts signed with SigV4 and sent with urllib3, skipping "
+                "botocore's request/response machinery (about half the client CPU); "
+                "--no-lean-requests uses plain boto3"})
     fsync_cache_files: bool = field(default=True, metadata={
         "help": "fsync disk-tier files before renaming them into place"})
     fill_workers: int = field(default=4, metadata={"help": "threads writing the disk tier"})

@@ -224,7 +224,7 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
         store = open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
                            profile=cfg.profile, max_connections=cfg.max_connections,
                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
-                           max_attempts=cfg.max_attempts, lean_get=cfg.lean_get)
+                           max_attempts=cfg.max_attempts, lean_requests=cfg.lean_requests)
         store.check()
         daemon = Daemon(cfg, store, metrics)
         try:

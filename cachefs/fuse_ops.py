@@ -176,6 +176,13 @@ class Operations(pyfuse3.Operations):
         if inode == CONTROL_INODE:
             return pyfuse3.FileInfo(fh=self.control.open(), direct_io=True, nonseekable=True)
         handle, keep_cache = await self.vfs.open(inode, flags)
+        if not keep_cache and not flags & (os.O_WRONLY | os.O_RDWR):
+            data = await self.vfs.preload(handle)
+            if data is not None:
+                # the pinned version's pages, stored before the open returns: the kernel keeps them
+                # and serves the reads itself (one FUSE round trip less per small file)
+                pyfuse3.notify_store(inode, 0, data)
+                keep_cache = True
         return pyfuse3.FileInfo(fh=handle.fh, keep_cache=keep_cache)
 
     @_operation("read")

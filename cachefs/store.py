@@ -157,14 +157,14 @@ def _check_parsed(parsed: StoreURL, url: str) -> None:
 
 def open_store(url: str, *, metrics: Metrics, endpoint_url: str | None = None, region: str | None = None,
                profile: str | None = None, max_connections: int = 64, connect_timeout: float = 5.0,
-               read_timeout: float = 30.0, max_attempts: int = 5, lean_get: bool = True) -> ObjectStore:
+               read_timeout: float = 30.0, max_attempts: int = 5, lean_requests: bool = True) -> ObjectStore:
     """The store for ``url``: S3Store for ``s3://``, FsspecStore for any other fsspec scheme."""
     parsed = parse_url(url)
     if parsed.scheme == "s3":
         from .store_s3 import S3Options, S3Store
         options = S3Options(endpoint_url=endpoint_url, region=region, profile=profile,
                             max_connections=max_connections, connect_timeout=connect_timeout,
-                            read_timeout=read_timeout, max_attempts=max_attempts, lean_get=lean_get)
+                            read_timeout=read_timeout, max_attempts=max_attempts, lean_requests=lean_requests)
         return S3Store(parsed.bucket, parsed.prefix, metrics=metrics, options=options)
     from .store_fsspec import FsspecStore
     return FsspecStore(url, metrics=metrics, max_attempts=max_attempts)

@@ -70,7 +70,7 @@ class S3Options:
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     max_attempts: int = 5
-    lean_get: bool = True             # GETs through signed_get (SigV4 + urllib3), not botocore
+    lean_requests: bool = True             # GETs through signed_get (SigV4 + urllib3), not botocore
     lean_put: bool = True             # PUTs and parts through signed_put, not botocore
 
 
@@ -143,7 +143,7 @@ def make_client(options: S3Options, session: Any = None) -> Any:
 
 def _signed_getter(client: Any, session: Any, options: S3Options) -> SignedGetter | None:
     """The lean GET path (see ``signed_get``), unless disabled or not usable here."""
-    credentials = session.get_credentials() if options.lean_get else None
+    credentials = session.get_credentials() if options.lean_requests else None
     if not SignedGetter.usable(client, credentials):
         return None
     return SignedGetter(client, credentials, max_connections=options.max_connections,
@@ -152,7 +152,7 @@ def _signed_getter(client: Any, session: Any, options: S3Options) -> SignedGette
 
 def _signed_putter(client: Any, session: Any, options: S3Options) -> SignedPutter | None:
     """The lean PUT path (see ``signed_put``), unless disabled or not usable here."""
-    lean = options.lean_put and options.lean_get     # --no-lean-get: plain boto3 for every request
+    lean = options.lean_put and options.lean_requests     # --no-lean-requests: plain boto3 for every request
     credentials = session.get_credentials() if lean else None
     if not SignedPutter.usable(client, credentials):
         return None

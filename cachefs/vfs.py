@@ -362,6 +362,12 @@ class Vfs:
         node.opens += 1
         return handle, keep_cache
 
+    async def preload(self, handle: Handle) -> bytes | None:
+        """Content to push into the kernel page cache at open (see BlockCache.preload)."""
+        if handle.file is None or handle.node.staged is not None:
+            return None
+        return await self.blocks.preload(handle.file)
+
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
         node = handle.node

@@ -172,6 +172,16 @@ class Superseded(Exception):
     """The file changed, moved or vanished under an upload; the newer state is uploaded later."""
 
 
+MAX_PARTS = 10_000      # S3 (and Ceph RGW) refuse a multipart upload of more parts
+
+
+def part_size_for(size: int, configured: int) -> int:
+    """The configured part size, grown (in whole MiB) where it would need more than MAX_PARTS
+    parts: without this a file over MAX_PARTS x part size could never be uploaded."""
+    needed = -(-size // MAX_PARTS)
+    return max(configured, -(-needed // (1 << 20)) << 20)
+
+
 def _earliest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
@@ -386,13 +396,14 @@ class Writeback:
 
     async def _send_parts(self, entry: StagedFile, job: _Job, upload_id: str,
                           limiter: trio.CapacityLimiter) -> list[tuple[int, str]]:
-        count = (job.size + self.part_size - 1) // self.part_size
+        part_size = part_size_for(job.size, self.part_size)
+        count = (job.size + part_size - 1) // part_size
         etags: list[str | None] = [None] * count
         errors: list[BaseException] = []
 
         def send(number: int) -> str:
-            start = (number - 1) * self.part_size
-            data = _pread_all(job.fd, min(self.part_size, job.size - start), start)
+            start = (number - 1) * part_size
+            data = _pread_all(job.fd, min(part_size, job.size - start), start)
             return self.store.upload_part(job.path, upload_id, number, data)
 
         async def part(index: int) -> None:

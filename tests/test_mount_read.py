@@ -255,3 +255,29 @@ def test_status_command_human_and_json(loaded, mount_factory):
     assert status["pid"] == mnt.pid
     assert status["read_bytes"] >= len(files["big.bin"])
     assert status["tiers"]["disk"]["used_bytes"] > 0
+
+
+def test_small_cached_files_are_preloaded_at_open(loaded, mount_factory):
+    """A small file on the disk tier is pushed into the kernel page cache at open (notify_store):
+    the reader gets the right bytes and the kernel sends no READ request for it."""
+    import urllib.request
+
+    from cachefs.local_s3 import free_port
+    server, bucket, files, _ = loaded
+    small = {p: d for p, d in files.items() if p.startswith("train/") and d}
+    mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server)).start()
+    assert all((mnt / p).read_bytes() == d for p, d in small.items())
+    mnt.umount()
+    port = free_port()
+    mnt.args += ["--metrics-port", str(port)]        # the later flag wins over the fixture's 0
+    mnt.start()
+
+    def fuse_reads() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        found = [ln for ln in text.splitlines() if ln.startswith('cachefs_fuse_operations_total{op="read"}')]
+        return float(found[0].split()[-1]) if found else 0.0
+
+    before = fuse_reads()        # the fixture's status call reads the control file
+    assert all((mnt / p).read_bytes() == d for p, d in small.items())
+    assert fuse_reads() == before
+    assert mnt.requests("get") == 0

@@ -27,13 +27,13 @@ def metrics():
     return Metrics()
 
 
-@pytest.fixture(params=[True, False], ids=["lean-get", "boto3-get"])
+@pytest.fixture(params=[True, False], ids=["lean-requests", "boto3-get"])
 def make_store(s3_server, metrics, request):
     """Stores on the moto server, once with the lean GET path (signed_get) and once with boto3's."""
     stores = []
 
     def make(bucket: str, prefix: str = "", **options) -> S3Store:
-        options.setdefault("lean_get", request.param)
+        options.setdefault("lean_requests", request.param)
         store = S3Store(bucket, prefix, metrics=metrics,
                         options=S3Options(endpoint_url=s3_server.endpoint_url, **options))
         stores.append(store)
@@ -221,7 +221,7 @@ class FakeGet:
 @pytest.fixture
 def fake_store(metrics):
     # these tests stub the boto3 client's get_object: the botocore GET path
-    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url="http://127.0.0.1:9", lean_get=False))
+    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url="http://127.0.0.1:9", lean_requests=False))
     yield store
     store.close()
 

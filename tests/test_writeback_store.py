@@ -111,3 +111,13 @@ def test_puts_and_parts_carry_a_signed_sha256_of_the_body_not_md5(s3):
         assert "content-md5" not in headers
     assert client.get_object(Bucket=bucket, Key="root/odd key+&=%.bin")["Body"].read() == data
     assert client.get_object(Bucket=bucket, Key="root/odd key+&=%.txt")["Body"].read() == b"small"
+
+
+def test_part_size_grows_so_no_upload_needs_more_than_10000_parts():
+    from cachefs.writeback import MAX_PARTS, part_size_for
+    mib = 1 << 20
+    assert part_size_for(100 * mib, 16 * mib) == 16 * mib
+    for size in (MAX_PARTS * 16 * mib, MAX_PARTS * 16 * mib + 1, 200 << 30, 5 << 40):
+        part = part_size_for(size, 16 * mib)
+        assert part % mib == 0 and part >= 16 * mib
+        assert -(-size // part) <= MAX_PARTS, size
