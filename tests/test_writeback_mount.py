@@ -41,6 +41,11 @@ def bucket_tree(client, bucket: str, prefix: str = "") -> dict[str, bytes]:
     return out
 
 
+def digests(tree: dict[str, bytes]) -> dict[str, str]:
+    """Path -> "size:md5": what tree comparisons assert (pytest would diff megabytes of bytes)."""
+    return {path: f"{len(data)}:{md5(data)}" for path, data in tree.items()}
+
+
 def local_tree(root: Path) -> dict[str, bytes]:
     out = {}
     for dirpath, _dirs, names in os.walk(root):
@@ -83,11 +88,13 @@ def tensorboard_like(path: Path, events: int) -> None:
 
 
 def torch_save_like(path: Path, payload: bytes) -> None:
-    """torch.save writes a zip archive through a seekable file object (seeks back to patch headers)."""
+    """torch.save writes a zip archive through a seekable file object (seeks back to patch headers).
+    Fixed member timestamps: the mount and the reference are written seconds apart."""
     import zipfile
+    stamp = (2024, 1, 1, 0, 0, 0)
     with open(path, "wb") as fh, zipfile.ZipFile(fh, "w") as zf:
-        zf.writestr("archive/data.pkl", payload[:1000])
-        zf.writestr("archive/data/0", payload)
+        zf.writestr(zipfile.ZipInfo("archive/data.pkl", stamp), payload[:1000])
+        zf.writestr(zipfile.ZipInfo("archive/data/0", stamp), payload)
 
 
 def exercise(root: Path, scratch: Path) -> None:
@@ -157,7 +164,7 @@ def test_everything_written_reaches_the_bucket_intact(seeded, mount_factory, tmp
     mnt = writable(mount_factory, server, bucket).start()
     exercise(mnt.path, scratch)
     expected = local_tree(reference)
-    assert local_tree(mnt.path) == expected                     # reads see the writes at once
+    assert digests(local_tree(mnt.path)) == digests(expected)   # reads see the writes at once
     assert sorted(os.listdir(mnt.path)) == sorted(os.listdir(reference))
     wb = sync(mnt)
     assert wb["staged_files"] == 0 and wb["pending_operations"] == 0, wb
@@ -166,7 +173,7 @@ def test_everything_written_reaches_the_bucket_intact(seeded, mount_factory, tmp
     assert "out/empty/" in {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="out/")["Contents"]}
     mnt.umount()
     again = writable(mount_factory, server, bucket, name="again", cache_dir=tmp_path / "cache2").start()
-    assert local_tree(again.path) == expected
+    assert digests(local_tree(again.path)) == digests(expected)
     assert (again / "empty").is_dir()
 
 
