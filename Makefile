@@ -14,6 +14,7 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q -ra
 
 bench: $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	$(VENV)/bin/python benchmarks/bench_read.py --quick
 
 deps:

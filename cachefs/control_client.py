@@ -37,6 +37,6 @@ def request(mountpoint: str, command: str, **args) -> Iterator[dict]:
 
 
 def _why(mountpoint: str, exc: OSError) -> str:
-    if exc.errno == errno.ENOTCONN:
+    if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):
         return f"the cachefs daemon of {mountpoint} is gone (stale mount: run `cachefs umount {mountpoint}`)"
     return f"cannot reach the cachefs daemon of {mountpoint}: {exc.strerror}"

@@ -176,10 +176,12 @@ MAX_PARTS = 10_000      # S3 (and Ceph RGW) refuse a multipart upload of more pa
 
 
 def part_size_for(size: int, configured: int) -> int:
-    """The configured part size, grown (in whole MiB) where it would need more than MAX_PARTS
-    parts: without this a file over MAX_PARTS x part size could never be uploaded."""
+    """The configured part size, grown (to whole MiB) only where it would need more than
+    MAX_PARTS parts: without this a file over MAX_PARTS x part size could never be uploaded."""
+    if -(-size // configured) <= MAX_PARTS:
+        return configured
     needed = -(-size // MAX_PARTS)
-    return max(configured, -(-needed // (1 << 20)) << 20)
+    return -(-needed // (1 << 20)) << 20
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

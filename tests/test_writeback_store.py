@@ -117,6 +117,7 @@ def test_part_size_grows_so_no_upload_needs_more_than_10000_parts():
     from cachefs.writeback import MAX_PARTS, part_size_for
     mib = 1 << 20
     assert part_size_for(100 * mib, 16 * mib) == 16 * mib
+    assert part_size_for(20_000, 1000) == 1000                      # small configured parts stay
     for size in (MAX_PARTS * 16 * mib, MAX_PARTS * 16 * mib + 1, 200 << 30, 5 << 40):
         part = part_size_for(size, 16 * mib)
         assert part % mib == 0 and part >= 16 * mib
