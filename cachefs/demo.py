@@ -28,7 +28,9 @@ READERS = 8
 
 
 def _sample(rng: random.Random, n: int) -> bytes:
-    return rng.randbytes(n)
+    """n incompressible bytes (in 1 MiB pieces: randbytes of 256 MiB or more overflows)."""
+    piece = 1 << 20
+    return b"".join(rng.randbytes(min(piece, n - off)) for off in range(0, n, piece))
 
 
 def make_dataset(client, files: int, large_size: int) -> dict[str, str]:
