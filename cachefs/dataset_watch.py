@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 
 from .block_cache import FileVersion
+from .errors import CachefsError
 from .warm_job import WarmSpec
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,13 @@ class DatasetWatcher:
         try:
             job = self.prefetcher.start(WarmSpec(paths=(root,)), concurrency=self.concurrency, detach=True,
                                         label=f"dataset prefetch of /{root}", budget=self.budget)
-        except Exception as exc:            # never fail the read that triggered it
+        except CachefsError as exc:         # e.g. the dataset does not fit: recorded, shown in status
             self._tried[root] = f"not started: {exc}"
+            log.info("dataset prefetch of /%s not started: %s", root, exc)
+            return
+        except Exception as exc:            # a bug: logged, but never fails the read that triggered it
+            self._tried[root] = f"not started: {exc}"
+            log.exception("dataset prefetch of /%s failed to start", root)
             return
         log.info("dataset prefetch: warming /%s in the background (budget %d bytes)", root, self.budget)
         self.prefetcher._nursery.start_soon(self._record, root, job)
