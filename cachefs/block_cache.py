@@ -1,12 +1,12 @@
 """The read path: kernel page cache aside, a block is served by the memory tier,
 then the disk tier, then one (single-flight) ranged GET from the object store.
 
-All state lives in the trio thread; only the HTTP call runs in a worker thread
-under a CapacityLimiter (foreground reads and readahead have separate ones, so
-a prefetch never queues a reader). Disk-tier hits are served inline with
-``os.pread`` (no thread hop). Sequential readers get a readahead window that
-doubles while they stay sequential; a prefetch that cannot start at once is
-dropped and counted, never queued.
+All state lives in the trio thread; the HTTP call runs in a worker thread under a
+CapacityLimiter (foreground reads, readahead and each warmup have their own, so a
+prefetch never queues a reader). A disk-tier hit whose pages are resident is served
+inline (``RWF_NOWAIT``), a cold one in a worker thread (see ``DiskTier.read_async``).
+Sequential readers get a readahead window that doubles while they stay sequential; a
+prefetch that cannot start at once is dropped and counted, never queued.
 """
 
 import logging
@@ -132,11 +132,8 @@ class BlockCache:
                      limiter: trio.CapacityLimiter | None = None) -> bytes:
         """GET one block; fill the disk tier, and the memory tier when ``keep`` (a block read
         whole by one request is in the kernel page cache already: no second copy in memory)."""
-        start = key.offset
-        end = min(start + self.block_size, f.size)
         # Errors propagate to the one choke point in fuse_ops, which logs them once.
-        data = await trio.to_thread.run_sync(
-            self.store.get, f.path, start, end, f.etag, f.size, limiter=limiter or self._fetch_limiter)
+        data = await self._get(f, key, limiter or self._fetch_limiter)
         if keep:
             self.memory.put(key, data)
         if self.disk is not None:
@@ -207,6 +204,7 @@ class BlockCache:
         return fetched, await self.disk.warm(key, data)
 
     async def _get(self, f: FileVersion, key: BlockKey, limiter: trio.CapacityLimiter) -> bytes:
+        """The one GET of a block (its version pinned with If-Match), in a worker thread."""
         end = min(key.offset + self.block_size, f.size)
         return await trio.to_thread.run_sync(self.store.get, f.path, key.offset, end, f.etag, f.size,
                                              limiter=limiter)

@@ -1,7 +1,6 @@
 """The `cachefs` command. Thin: parse, build a config, call the engine, map errors to exit codes."""
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -12,7 +11,7 @@ import sys
 import time
 
 from . import __version__
-from .config import MountConfig, build_config, load_toml, option_fields, to_dict
+from .config import MountConfig, build_config, load_toml, option_fields, render_default, to_dict
 from .errors import CachefsError, ExitCode, MountpointError, StartTimeout, UsageError
 
 log = logging.getLogger("cachefs")
@@ -32,16 +31,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ---- mount ---------------------------------------------------------------------------------------
-def _human(value) -> str:
-    if isinstance(value, tuple):
-        return ",".join(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20:
-        for unit, shift in (("T", 40), ("G", 30), ("M", 20)):
-            if value % (1 << shift) == 0:
-                return f"{value >> shift}{unit}"
-    return str(value)
-
-
 def _add_mount_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help=MountConfig.__dataclass_fields__["url"].metadata["help"])
     parser.add_argument("mountpoint", help="an existing directory to mount on")
@@ -49,10 +38,8 @@ def _add_mount_options(parser: argparse.ArgumentParser) -> None:
                         "(same names, with _ or -); flags override it")
     for f in option_fields():
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if f.metadata.get("mode"):
-            default = f"{default:04o}"
-        text = f.metadata["help"] + ("" if default is None else f" (default: {_human(default)})")
+        default = render_default(f)
+        text = f.metadata["help"] + ("" if default == "-" else f" (default: {default})")
         if "bool" in str(f.type):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=text)

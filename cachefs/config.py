@@ -285,15 +285,15 @@ def options_table() -> str:
     """The README's option table, rendered from the fields (``python -m cachefs.config``)."""
     rows = ["| option (flag / TOML key) | default | meaning |", "|---|---|---|"]
     for f in option_fields():
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if f.name == "cache_dir":
-            default = "~/.cache/cachefs"
-        rows.append(f"| `--{f.name.replace('_', '-')}` / `{f.name}` | `{_render_default(f, default)}` | "
-                    f"{f.metadata['help']} |")
+        default = "~/.cache/cachefs" if f.name == "cache_dir" else render_default(f)
+        rows.append(f"| `--{f.name.replace('_', '-')}` / `{f.name}` | `{default}` | {f.metadata['help']} |")
     return "\n".join(rows)
 
 
-def _render_default(f: dataclasses.Field, value) -> str:
+def render_default(f: dataclasses.Field) -> str:
+    """A field's default as a user writes it (``50G``, ``0644``, ``-`` for none): for --help and
+    the README table alike."""
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if value is None:
         return "-"
     if f.metadata.get("mode"):

@@ -54,14 +54,8 @@ def check_mountpoint(path: str) -> None:
         raise MountpointError(f"mountpoint {path} does not exist")
     if not os.path.isdir(path):
         raise MountpointError(f"mountpoint {path} is not a directory")
-    if os.path.ismount(path) or _mount_source(path) is not None:
+    if os.path.ismount(path) or find_mount(path) is not None:
         raise MountpointError(f"mountpoint {path} is busy: something is already mounted there")
-
-
-def _mount_source(path: str) -> str | None:
-    """The filesystem type mounted at ``path`` per /proc/self/mountinfo, or None."""
-    entry = find_mount(path)
-    return entry[1] if entry else None
 
 
 def find_mount(path: str) -> tuple[str, str] | None:

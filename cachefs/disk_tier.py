@@ -50,8 +50,7 @@ import secrets
 import struct
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +71,7 @@ log = logging.getLogger(__name__)
 _TIER = "disk"
 _HEADER_ALIGN = 4096
 _MAX_CHUNKS = 1 << 20
+_COLD = object()      # a read whose pages are not resident: do it in a worker thread instead
 _COMBINED_READ_MAX = 256 << 10     # read at most this much data together with the header
 _DIGEST_NAME = re.compile(r"[0-9a-f]{40}")
 _xxh = xxhash.xxh3_64_intdigest
@@ -336,10 +336,15 @@ class DiskTier:
         data = None
         if self._health.state != DiskHealth.DOWN and digest in self._index:
             data = self._checked_read(digest, offset, size)
+        return self._counted(digest, data)
+
+    def _counted(self, digest: str, data: bytes | None) -> bytes | None:
+        """Count a read's hit or miss (a hit also refreshes the block's place in the LRU)."""
         if data is None:
             self._misses.inc()
             return None
-        self._index.touch(digest)
+        if digest in self._index:         # it may have been evicted while a thread read it
+            self._index.touch(digest)
         self._hits.inc()
         self._hit_bytes.inc(len(data))
         return data
@@ -363,8 +368,15 @@ class DiskTier:
 
     def _checked_read(self, digest: str, offset: int, size: int) -> bytes | None:
         """``_read_verified``, with a bad block dropped and an I/O error counted: None then."""
+        return self._guarded(digest, lambda: self._read_verified(digest, offset, size))
+
+    def _guarded(self, digest: str, read: Callable[[], bytes]) -> bytes | None:
+        """``read()``; a corrupt block is dropped and counted, an I/O error counted (health) and
+        the block dropped: None then. _COLD when its pages are not resident (RWF_NOWAIT)."""
         try:
-            return self._read_verified(digest, offset, size)
+            return read()
+        except BlockingIOError:
+            return _COLD
         except CorruptBlock as exc:
             self._drop_corrupt(digest, str(exc))
         except OSError as exc:
@@ -413,26 +425,13 @@ class DiskTier:
         data = None
         if self._health.state != DiskHealth.DOWN and digest in self._index:
             opened = self._handles.get(digest)
-            try:
-                if opened is None:
-                    raise BlockingIOError
+            data = _COLD
+            if opened is not None:
                 self._handles.move_to_end(digest)
-                data = _read_range(opened.fd, opened.header, offset, size, None, _pread_nowait)
-            except BlockingIOError:
+                data = self._guarded(digest, lambda: _read_resident(opened, offset, size))
+            if data is _COLD:
                 data = await self._read_in_thread(digest, offset, size)
-            except CorruptBlock as exc:
-                self._drop_corrupt(digest, str(exc))
-            except OSError as exc:
-                self._io_error("read", exc)
-                self._drop(digest)
-        if data is None:
-            self._misses.inc()
-            return None
-        if digest in self._index:
-            self._index.touch(digest)
-        self._hits.inc()
-        self._hit_bytes.inc(len(data))
-        return data
+        return self._counted(digest, data)
 
     async def _read_in_thread(self, digest: str, offset: int, size: int) -> bytes | None:
         opened = self._handles.get(digest)
@@ -774,12 +773,6 @@ class DiskTier:
         self.release(self.pins.remove(name))
         return True
 
-    def discard_digest(self, digest: str) -> None:
-        job = self._inflight.get(digest)
-        if job is not None:
-            job.cancelled = True
-        self._drop(digest)
-
     def file_size(self, data_len: int) -> int:
         """Bytes a block of ``data_len`` bytes takes in the tier (header included)."""
         return BlockHeader.file_size(data_len, self._chunk_size)
@@ -879,6 +872,11 @@ def _pread_willneed(fd: int, size: int, offset: int) -> bytes:
     if offset == 0:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     return os.pread(fd, size, offset)
+
+
+def _read_resident(opened: _Open, offset: int, size: int) -> bytes:
+    """A range of an open block read inline, only if all its pages are in the page cache."""
+    return _read_range(opened.fd, opened.header, offset, size, None, _pread_nowait)
 
 
 def _read_dup(fd: int, header: BlockHeader, offset: int, size: int) -> bytes:

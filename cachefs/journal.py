@@ -138,10 +138,6 @@ class Journal:
             return
         self._sync_dir()
 
-    def sync_record(self) -> None:
-        """Records are fsynced when written; this makes their directory durable too."""
-        self._sync_dir()
-
     def _sync_dir(self) -> None:
         if not self.fsync:
             return

@@ -7,7 +7,6 @@ Touched only from the trio thread (a listing is rare next to reads).
 
 import hashlib
 import logging
-import os
 import sqlite3
 from pathlib import Path
 
@@ -93,6 +92,3 @@ class ListingSnapshot:
     def close(self) -> None:
         self._db.close()
 
-
-def snapshot_exists(cache_dir: str) -> bool:
-    return os.path.isdir(os.path.join(cache_dir, "meta"))

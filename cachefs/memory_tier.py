@@ -18,7 +18,14 @@ class MemoryTier:
         self.capacity = capacity_bytes
         self.used = 0
         self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
-        self._metrics = metrics
+        # metric children bound once, as the disk tier does: get() runs on every read
+        self._hits = metrics.tier_hits.labels(_TIER)
+        self._misses = metrics.tier_misses.labels(_TIER)
+        self._hit_bytes = metrics.tier_hit_bytes.labels(_TIER)
+        self._evictions = metrics.evictions.labels(_TIER)
+        self._evicted_bytes = metrics.evicted_bytes.labels(_TIER)
+        self._used_gauge = metrics.tier_used_bytes.labels(_TIER)
+        self._blocks_gauge = metrics.tier_blocks.labels(_TIER)
         metrics.tier_capacity_bytes.labels(_TIER).set(capacity_bytes)
         self._update_gauges()
 
@@ -31,11 +38,11 @@ class MemoryTier:
     def get(self, key: BlockKey) -> bytes | None:
         data = self._blocks.get(key)
         if data is None:
-            self._metrics.tier_misses.labels(_TIER).inc()
+            self._misses.inc()
             return None
         self._blocks.move_to_end(key)
-        self._metrics.tier_hits.labels(_TIER).inc()
-        self._metrics.tier_hit_bytes.labels(_TIER).inc(len(data))
+        self._hits.inc()
+        self._hit_bytes.inc(len(data))
         return data
 
     def put(self, key: BlockKey, data: bytes) -> None:
@@ -50,8 +57,8 @@ class MemoryTier:
         while self.used + len(data) > self.capacity:
             _, victim = self._blocks.popitem(last=False)
             self.used -= len(victim)
-            self._metrics.evictions.labels(_TIER).inc()
-            self._metrics.evicted_bytes.labels(_TIER).inc(len(victim))
+            self._evictions.inc()
+            self._evicted_bytes.inc(len(victim))
         self._blocks[key] = data
         self.used += len(data)
         self._update_gauges()
@@ -66,5 +73,5 @@ class MemoryTier:
             self.used -= len(old)
 
     def _update_gauges(self) -> None:
-        self._metrics.tier_used_bytes.labels(_TIER).set(self.used)
-        self._metrics.tier_blocks.labels(_TIER).set(len(self._blocks))
+        self._used_gauge.set(self.used)
+        self._blocks_gauge.set(len(self._blocks))

@@ -312,10 +312,12 @@ class Vfs:
         if info.etag != node.etag:
             log.info("%s changed in the store (ETag %s -> %s)", node.path, node.etag, info.etag)
         node.update(info, time.time())
-        parent, _, name = node.path.rpartition("/")
-        state = self._dirs.get(parent)
-        if state is not None and name in state.files:
-            state.files[name] = info      # a later lookup from this listing must not revert it
+        self._publish(info)
+
+    def _publish(self, info: ObjectInfo) -> None:
+        """A newer version seen by a HEAD: the parent's cached listing and the snapshot show it,
+        so a later lookup from an older listing never reverts a node to the old version."""
+        self._set_file(info.path, info)
         if self.snapshot is not None:
             self.snapshot.update_file(info)
 
@@ -665,6 +667,4 @@ class Vfs:
         inode = self._by_path.get(info.path)
         if inode is not None and not self._nodes[inode].is_dir and self._nodes[inode].staged is None:
             self._nodes[inode].update(info, time.time())
-        self._set_file(info.path, info)
-        if self.snapshot is not None:
-            self.snapshot.update_file(info)
+        self._publish(info)

@@ -520,10 +520,6 @@ class Writeback:
     async def _remove_record(self, ident: int) -> None:
         await trio.to_thread.run_sync(self.journal.remove_record, ident, limiter=self._io)
 
-    def pending_op(self, kind: str, path: str) -> bool:
-        op = self.ops.get((kind in (MKDIR, RMDIR), path))
-        return op is not None and op.record.kind == kind
-
     # ---- staged files (called by the vfs) --------------------------------------------------------
     def _new_entry(self, path: str, *, remote: bool) -> StagedFile:
         seq = self.journal.next_seq()
