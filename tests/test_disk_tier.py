@@ -276,6 +276,96 @@ def test_missing_file_is_a_miss(tmp_path):
     serve(tier, body)
 
 
+# --- cold reads: inline with a read-ahead hint, or in worker threads ------------------------
+
+def force_cold(monkeypatch) -> list[str]:
+    """Make every read_async take the cold path, and record where each cold read ran."""
+    where: list[str] = []
+    main = threading.get_ident()
+    depth = threading.local()
+
+    def not_resident(*args):
+        raise BlockingIOError(errno.EAGAIN, "not resident")
+
+    def recording(name):
+        real = getattr(disk_tier, name)
+
+        def read(*args):                  # _open_and_read calls _read_opened: count the outer one
+            if not getattr(depth, "n", 0):
+                where.append("trio" if threading.get_ident() == main else "thread")
+            depth.n = getattr(depth, "n", 0) + 1
+            try:
+                return real(*args)
+            finally:
+                depth.n -= 1
+        monkeypatch.setattr(disk_tier, name, read)
+
+    monkeypatch.setattr(disk_tier, "_read_resident", not_resident)
+    for name in ("_read_dup", "_read_opened", "_open_and_read"):
+        recording(name)
+    return where
+
+
+def test_small_cold_reads_run_on_the_trio_thread_large_ones_in_threads(tmp_path, monkeypatch):
+    tier = make_tier(tmp_path)
+    small, large = blob(1, 6 * CS), blob(2, disk_tier._INLINE_MAX + 2 * CS)
+    where = force_cold(monkeypatch)
+
+    async def body():
+        assert await tier.fill(key(1), small) and await tier.fill(key(2), large)
+        close_handles(tier)
+        assert await tier.read_async(key(1), 5, 3 * CS) == small[5:5 + 3 * CS]    # first open
+        assert await tier.read_async(key(1), 4 * CS, 2 * CS) == small[4 * CS:]    # cached fd (a dup)
+        assert await tier.read_async(key(2), 0, len(large)) == large               # too large: thread
+        assert where == ["trio", "trio", "thread"]
+        assert key(1).digest() in tier._handles and key(2).digest() in tier._handles
+    serve(tier, body)
+    assert tier._handles == {}
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_inline_cold_read_of_a_corrupt_block_drops_it(tmp_path, monkeypatch, warm):
+    tier = make_tier(tmp_path)
+    data = blob(4, 6 * CS)
+    where = force_cold(monkeypatch)
+
+    async def body():
+        assert await tier.fill(key(4), data)
+        close_handles(tier)
+        if warm:
+            assert await tier.read_async(key(4), 0, 10) == data[:10]
+        flip_byte(block_file(tmp_path, key(4)), 4096 + 2 * CS + 1)
+        assert await tier.read_async(key(4), 0, 4 * CS) is None
+        assert metric(tier, "cachefs_corrupt_blocks_total") == 1
+        assert not tier.contains(key(4))
+        assert set(where) == {"trio"}
+    serve(tier, body)
+
+
+def test_slow_inline_reads_move_cold_reads_to_threads(tmp_path, monkeypatch, caplog):
+    tier = make_tier(tmp_path)
+    where = force_cold(monkeypatch)
+    recorded = disk_tier._read_opened
+
+    def slow(*args):
+        time.sleep(0.01)               # a disk that takes 10 ms per small read
+        return recorded(*args)
+    monkeypatch.setattr(disk_tier, "_read_opened", slow)
+
+    async def body():
+        for i in range(8):
+            assert await tier.fill(key(i), blob(i))
+        close_handles(tier)
+        for i in range(8):
+            assert await tier.read_async(key(i), 0, 100) == blob(i)[:100]
+    caplog.set_level("INFO", logger="cachefs.disk_tier")
+    serve(tier, body)
+    # the moving average crosses 2 ms on the 3rd 10 ms read; the rest wait in threads
+    assert where == ["trio"] * 3 + ["thread"] * 5
+    assert "reading in threads" in caplog.text
+    assert tier._inline_off_until > time.monotonic()
+
+
 # --- capacity and eviction ----------------------------------------------------------------
 
 def test_capacity_never_exceeded_under_many_fills(tmp_path):
