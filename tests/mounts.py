@@ -118,7 +118,9 @@ def mount_factory(tmp_path: Path):
 
 @pytest.fixture
 def public_dir():
-    """A world-traversable directory (pytest's tmp_path is 0700 root), for tests as other users."""
+    """A world-traversable directory (pytest's tmp_path is 0700 root), for tests as other users.
+    Request it before ``mount_factory``: fixtures tear down in reverse, so the mounts inside it
+    are gone before it is removed."""
     import shutil
     import tempfile
     path = Path(tempfile.mkdtemp(prefix="cachefs-test-", dir="/var/tmp"))

@@ -208,7 +208,7 @@ def test_kernel_tuning_applied(loaded, mount_factory):
     assert Path(f"/sys/fs/fuse/connections/{conn}/max_background").read_text().strip() == "48"
 
 
-def test_owner_and_modes_and_allow_other(loaded, mount_factory, public_dir):
+def test_owner_and_modes_and_allow_other(loaded, public_dir, mount_factory):
     server, bucket, files, _ = loaded
     mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server, "--uid", "1234", "--gid", "2345",
                                                        "--file-mode", "0640", "--dir-mode", "0750",
@@ -225,7 +225,7 @@ def test_owner_and_modes_and_allow_other(loaded, mount_factory, public_dir):
     assert other.returncode != 0   # mode 0640 denies others
 
 
-def test_without_allow_other_other_users_are_refused(loaded, mount_factory, public_dir):
+def test_without_allow_other_other_users_are_refused(loaded, public_dir, mount_factory):
     server, bucket, _, _ = loaded
     mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server), mountpoint=public_dir / "mnt").start()
     other = subprocess.run(["setpriv", "--reuid", "1234", "--regid", "1234", "--clear-groups",
