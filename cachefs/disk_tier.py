@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 _TIER = "disk"
 _HEADER_ALIGN = 4096
 _MAX_CHUNKS = 1 << 20
-_COLD = object()      # a read whose pages are not resident: do it in a worker thread instead
+_COLD = object()      # a read whose pages are not resident: ``_read_cold`` does it instead
 _COMBINED_READ_MAX = 256 << 10     # read at most this much data together with the header
 _INLINE_MAX = 256 << 10            # cold ranges up to this size may be read on the trio thread
 _INLINE_SLOW_S = 0.002             # ... while the moving average of those reads stays below this
@@ -451,7 +451,7 @@ class DiskTier:
         """Read a range whose pages are not resident, on the trio thread or in a worker thread.
 
         Inline (small ranges, fast disk): ``POSIX_FADV_WILLNEED`` starts the block file's I/O
-        and returns; one checkpoint lets the other requests that are ready start theirs; then
+        and returns; a few checkpoints let the other requests that are ready start theirs; then
         the blocking read mostly waits for an I/O already under way. On a fast disk this beats
         a worker thread, whose hand-offs (GIL, futexes, wake-ups) cost more CPU than the read.
         A disk whose inline reads average over ``_INLINE_SLOW_S`` is read in threads for
@@ -464,12 +464,13 @@ class DiskTier:
                 # valid if the trio thread closes the cached fd meanwhile
                 fd = os.dup(opened.fd)
                 read, args = _read_dup, (fd, opened.header, offset, size)
-            elif inline:
-                fd = os.open(self._block_file(digest), os.O_RDONLY | os.O_CLOEXEC)
-                read, args = _read_opened, (fd, self._combined_want(digest, offset, size), offset, size)
             else:
-                read, args = _open_and_read, (self._block_file(digest), self._combined_want(digest, offset, size),
-                                              offset, size)
+                path, want = self._block_file(digest), self._combined_want(digest, offset, size)
+                if inline:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    read, args = _read_opened, (fd, want, offset, size)
+                else:
+                    read, args = _open_and_read, (path, want, offset, size)
             if inline:
                 result = await self._run_inline(fd, read, args)
             else:
@@ -496,7 +497,8 @@ class DiskTier:
 
     async def _run_inline(self, fd: int, read: Callable, args: tuple):
         """``read(*args)`` (which owns ``fd``) on the trio thread after a read-ahead hint and
-        one checkpoint; its blocking time feeds the moving average that can turn this off."""
+        ``_INLINE_YIELDS`` checkpoints; its blocking time feeds the moving average that can
+        turn this off."""
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             for _ in range(_INLINE_YIELDS):
