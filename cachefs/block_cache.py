@@ -1,8 +1,8 @@
 """The read path: kernel page cache aside, a block is served by the memory tier,
 then the disk tier, then one (single-flight) ranged GET from the object store.
 
-All state lives in the trio thread; the HTTP call runs in a worker thread under a
-CapacityLimiter (foreground reads, readahead and each warmup have their own, so a
+All state lives in the trio thread; the GET runs as a trio task (S3, see ``async_get``) or
+in a worker thread (other stores) under a CapacityLimiter (foreground reads, readahead and each warmup have their own, so a
 prefetch never queues a reader). A disk-tier hit whose pages are resident is served
 inline (``RWF_NOWAIT``), a cold one in a worker thread (see ``DiskTier.read_async``).
 Sequential readers get a readahead window that doubles while they stay sequential; a
@@ -204,7 +204,6 @@ class BlockCache:
         return fetched, await self.disk.warm(key, data)
 
     async def _get(self, f: FileVersion, key: BlockKey, limiter: trio.CapacityLimiter) -> bytes:
-        """The one GET of a block (its version pinned with If-Match), in a worker thread."""
+        """The one GET of a block (its version pinned with If-Match), under ``limiter``."""
         end = min(key.offset + self.block_size, f.size)
-        return await trio.to_thread.run_sync(self.store.get, f.path, key.offset, end, f.etag, f.size,
-                                             limiter=limiter)
+        return await self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=limiter)

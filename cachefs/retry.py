@@ -9,8 +9,10 @@ that outlives its retries is the caller's to report, once, with context.
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+import trio
 
 from .metrics import Metrics
 
@@ -44,6 +46,23 @@ def call_with_retries(fn: Callable[[], T], *, op: str, is_temp_failure: Callable
                 raise
             _note_retry(op, attempt, max_attempts, exc, metrics)
         time.sleep(backoff_delay(attempt, base_delay, max_delay))
+        attempt += 1
+
+
+async def call_with_retries_async(fn: Callable[[], Awaitable[T]], *, op: str,
+                                  is_temp_failure: Callable[[BaseException], bool], max_attempts: int,
+                                  metrics: Metrics | None = None, base_delay: float = 0.05,
+                                  max_delay: float = 5.0) -> T:
+    """``call_with_retries`` for a coroutine function: the same policy, trio sleeps."""
+    attempt = 1
+    while True:
+        try:
+            return await fn()
+        except Exception as exc:
+            if attempt >= max_attempts or not is_temp_failure(exc):
+                raise
+            _note_retry(op, attempt, max_attempts, exc, metrics)
+        await trio.sleep(backoff_delay(attempt, base_delay, max_delay))
         attempt += 1
 
 

@@ -61,13 +61,14 @@ class SignedGetter:
         response = {"ETag": answer.headers.get("ETag"), "ContentRange": answer.headers.get("Content-Range"),
                     "ResponseMetadata": {"HTTPStatusCode": answer.status}}
         if answer.status >= 300:
-            raise bx.ClientError({"Error": _error_of(answer), **response}, "GetObject")
+            raise bx.ClientError({"Error": error_of(answer.status, answer.data), **response}, "GetObject")
         return response, answer.data
 
 
-def _error_of(answer: urllib3.BaseHTTPResponse) -> dict:
-    body = answer.data or b""
+def error_of(status: int, body: bytes | None) -> dict:
+    """botocore's error shape from an S3 error response: Code and Message from the XML body."""
+    body = body or b""
     code = _CODE_RE.search(body)
     message = _MESSAGE_RE.search(body)
-    return {"Code": code[1].decode(errors="replace") if code else str(answer.status),
+    return {"Code": code[1].decode(errors="replace") if code else str(status),
             "Message": message[1].decode(errors="replace") if message else ""}

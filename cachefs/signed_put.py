@@ -23,7 +23,7 @@ from botocore import exceptions as bx
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 
-from .signed_get import SignedGetter, _error_of
+from .signed_get import SignedGetter, error_of
 
 
 class _PresignedPayload(S3SigV4Auth):
@@ -58,7 +58,7 @@ class SignedPutter(SignedGetter):
             raise ConnectionError(f"PUT {url}: {type(exc).__name__}: {exc}") from None
         response = {"ETag": answer.headers.get("ETag"), "ResponseMetadata": {"HTTPStatusCode": answer.status}}
         if answer.status >= 300:
-            raise bx.ClientError({"Error": _error_of(answer), **response}, operation)
+            raise bx.ClientError({"Error": error_of(answer.status, answer.data), **response}, operation)
         return response
 
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int, body: bytes) -> dict:

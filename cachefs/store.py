@@ -1,6 +1,6 @@
 """The object-store interface and the factory that turns a URL into a store.
 
-Every method is blocking: the trio thread calls them through
+Every method but ``get_async`` is blocking: the trio thread calls them through
 ``trio.to_thread.run_sync`` under a ``CapacityLimiter``. Paths are relative to
 the mount root (the URL's prefix), "/"-separated, never with a leading "/".
 Directory paths passed to ``list_dir`` are "" (the root) or end with "/".
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import fsspec
+import trio
 
 from .errors import ConfigError, StoreError
 from .metrics import Metrics
@@ -63,6 +64,12 @@ class ObjectStore(ABC):
         ETag), BadResponse when the server ignored the range or sent the wrong
         length, NoSuchKey, AccessDenied, Unreachable (after retries).
         """
+
+    async def get_async(self, path: str, start: int, end: int, etag: str, size: int, *,
+                        limiter: trio.CapacityLimiter) -> bytes:
+        """``get`` from the trio thread, at most ``limiter``'s number at once. Here: ``get`` in a
+        worker thread; a store that can GET without a thread overrides this."""
+        return await trio.to_thread.run_sync(self.get, path, start, end, etag, size, limiter=limiter)
 
     # --- writes (write-back). Each is blocking, retried like reads, and idempotent where S3 is.
     # An object appears only complete: ``put`` is one request; a multipart upload shows nothing

@@ -22,6 +22,7 @@ from typing import Any
 
 import boto3
 import botocore.exceptions as bx
+import trio
 from botocore.config import Config
 
 from .errors import (
@@ -35,9 +36,10 @@ from .errors import (
     VersionChanged,
 )
 from .metrics import Metrics
+from .async_get import AsyncGetter
 from .signed_get import SignedGetter
 from .signed_put import SignedPutter
-from .retry import call_with_retries
+from .retry import call_with_retries, call_with_retries_async
 from .store import Listing, ObjectInfo, ObjectStore
 
 _TEMP_CODES = frozenset({"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "InternalError",
@@ -70,7 +72,7 @@ class S3Options:
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     max_attempts: int = 5
-    lean_requests: bool = True             # GETs through signed_get (SigV4 + urllib3), not botocore
+    lean_requests: bool = True             # GETs as trio tasks (async_get) or signed_get, not botocore
     lean_put: bool = True             # PUTs and parts through signed_put, not botocore
 
 
@@ -148,6 +150,16 @@ def _signed_getter(client: Any, session: Any, options: S3Options) -> SignedGette
         return None
     return SignedGetter(client, credentials, max_connections=options.max_connections,
                         connect_timeout=options.connect_timeout, read_timeout=options.read_timeout)
+
+
+def _async_getter(client: Any, session: Any, options: S3Options) -> AsyncGetter | None:
+    """GETs as trio tasks (see ``async_get``): the lean path, where the lean path is usable."""
+    credentials = session.get_credentials() if options.lean_requests else None
+    if not SignedGetter.usable(client, credentials):
+        return None
+    return AsyncGetter(client.meta.endpoint_url, client.meta.region_name or "us-east-1", credentials,
+                       max_idle=options.max_connections, connect_timeout=options.connect_timeout,
+                       read_timeout=options.read_timeout)
 
 
 def _signed_putter(client: Any, session: Any, options: S3Options) -> SignedPutter | None:
@@ -245,6 +257,7 @@ class S3Store(ObjectStore):
         session = make_session(options)
         self._client = make_client(options, session)
         self._getter = _signed_getter(self._client, session, options)
+        self._async_getter = _async_getter(self._client, session, options)
         self._putter = _signed_putter(self._client, session, options)
         self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
 
@@ -262,8 +275,11 @@ class S3Store(ObjectStore):
             status = _status_of(exc.response)
             raise
         finally:
-            self._metrics.store_requests.labels(op, status).inc()
-            self._metrics.store_latency.labels(op).observe(time.monotonic() - started)
+            self._count(op, status, started)
+
+    def _count(self, op: str, status: str, started: float) -> None:
+        self._metrics.store_requests.labels(op, status).inc()
+        self._metrics.store_latency.labels(op).observe(time.monotonic() - started)
 
     def _call(self, op: str, key: str, attempt: Callable[[], Any], missing: type[StoreError] = NoSuchKey) -> Any:
         """``attempt()`` with retries; botocore errors left over become cachefs errors."""
@@ -299,22 +315,47 @@ class S3Store(ObjectStore):
         return _info(path, response)
 
     def get(self, path: str, start: int, end: int, etag: str, size: int) -> bytes:
-        if not 0 <= start <= end <= size:
-            raise ValueError(f"bad range [{start}, {end}) for an object of {size} bytes")
+        key, want = self._want(path, start, end, etag, size)
         if start == end:
             return b""
-        key = self._root + path
-        want = _Want(self._url(key), etag, start, end, size)
         data = self._call("get", key, lambda: self._get_once(key, want))
         self._metrics.store_bytes.inc(len(data))
         return data
 
-    def _get_once(self, key: str, want: _Want) -> bytes:
+    async def get_async(self, path: str, start: int, end: int, etag: str, size: int, *,
+                        limiter: trio.CapacityLimiter) -> bytes:
+        """``get`` as a trio task (no worker thread) on the lean path; in a thread otherwise."""
+        if self._async_getter is None:
+            return await super().get_async(path, start, end, etag, size, limiter=limiter)
+        key, want = self._want(path, start, end, etag, size)
+        if start == end:
+            return b""
+        async with limiter:
+            try:
+                data = await call_with_retries_async(
+                    lambda: self._get_once_async(key, want), op="get", is_temp_failure=is_temp_failure,
+                    max_attempts=self._options.max_attempts, metrics=self._metrics)
+            except _MAPPED as exc:
+                raise map_error(exc, op="get", url=want.url) from exc
+        self._metrics.store_bytes.inc(len(data))
+        return data
+
+    def _want(self, path: str, start: int, end: int, etag: str, size: int) -> tuple[str, _Want]:
+        if not 0 <= start <= end <= size:
+            raise ValueError(f"bad range [{start}, {end}) for an object of {size} bytes")
+        key = self._root + path
+        return key, _Want(self._url(key), etag, start, end, size)
+
+    def _get_kwargs(self, key: str, want: _Want) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
         if want.etag:
             kwargs["IfMatch"] = f'"{want.etag}"'
         if want.ranged:
             kwargs["Range"] = f"bytes={want.start}-{want.end - 1}"
+        return kwargs
+
+    def _get_once(self, key: str, want: _Want) -> bytes:
+        kwargs = self._get_kwargs(key, want)
 
         def request() -> tuple[dict, bytes]:
             if self._getter is not None:
@@ -323,6 +364,19 @@ class S3Store(ObjectStore):
             with response["Body"] as body:
                 return response, body.read()   # inside the attempt: a mid-body reset is retried
         response, body = self._timed("get", request)
+        return verify_get(want, response, body)
+
+    async def _get_once_async(self, key: str, want: _Want) -> bytes:
+        started, status = time.monotonic(), "error"
+        try:
+            response, body = await self._async_getter.get(self.bucket, key,
+                                                          _get_headers(self._get_kwargs(key, want)))
+            status = _status_of(response)
+        except bx.ClientError as exc:
+            status = _status_of(exc.response)
+            raise
+        finally:
+            self._count("get", status, started)
         return verify_get(want, response, body)
 
     def list_dir(self, prefix: str) -> Listing:
@@ -437,6 +491,8 @@ class S3Store(ObjectStore):
         self.delete(path + "/")
 
     def close(self) -> None:
+        if self._async_getter is not None:
+            self._async_getter.close()
         self._client.close()
 
 

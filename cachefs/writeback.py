@@ -558,8 +558,7 @@ class Writeback:
         try:
             for start in range(0, size, _COPY_CHUNK):
                 end = min(size, start + _COPY_CHUNK)
-                data = await trio.to_thread.run_sync(self.store.get, path, start, end, etag, size,
-                                                      limiter=self._limiters[LOG])
+                data = await self.store.get_async(path, start, end, etag, size, limiter=self._limiters[LOG])
                 os.pwrite(entry.fd, data, start)
         except BaseException:
             os.close(entry.fd)

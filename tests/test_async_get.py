@@ -1,0 +1,310 @@
+"""GETs as trio tasks (``cachefs.async_get``) through ``S3Store.get_async``.
+
+Against moto's server on loopback for S3 behaviour, and against a scripted HTTP server on
+loopback (real sockets, one thread) for what moto never does: chunked and close-delimited
+bodies, keep-alive connections the server dropped while idle, truncated bodies, silence,
+5xx answers. Signatures are checked for real by Ceph RGW in test_rgw.py (every read there
+takes this path).
+"""
+
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+
+import pytest
+import trio
+
+from cachefs.async_get import AsyncGetter
+from cachefs.errors import BadResponse, NoSuchKey, Unreachable, VersionChanged
+from cachefs.local_s3 import s3_client
+from cachefs.metrics import Metrics
+from cachefs.store_s3 import S3Options, S3Store
+
+BODY = bytes(range(256)) * 700       # 179,200 bytes: several receives
+
+
+def requests(metrics: Metrics, op: str, status: str) -> float:
+    return metrics.counter_value("cachefs_store_requests_total", op=op, status=status)
+
+
+def run_gets(store: S3Store, calls: list[tuple], limit: int = 8) -> list:
+    """Run store.get_async for each (path, start, end, etag, size) concurrently; results or errors."""
+    results: list = [None] * len(calls)
+
+    async def main() -> None:
+        limiter = trio.CapacityLimiter(limit)
+
+        async def one(i: int, call: tuple) -> None:
+            try:
+                results[i] = await store.get_async(*call, limiter=limiter)
+            except Exception as exc:       # noqa: BLE001 - the test inspects it
+                results[i] = exc
+        async with trio.open_nursery() as nursery:
+            for i, call in enumerate(calls):
+                nursery.start_soon(one, i, call)
+    trio.run(main)
+    return results
+
+
+# --- against moto ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def moto_store(s3_server):
+    name = f"test-aget-{uuid.uuid4().hex[:12]}"
+    client = s3_client(s3_server.endpoint_url)
+    client.create_bucket(Bucket=name)
+    for i in range(20):
+        client.put_object(Bucket=name, Key=f"data/f{i:02d}", Body=BODY[i:])
+    metrics = Metrics()
+    store = S3Store(name, "data", metrics=metrics, options=S3Options(endpoint_url=s3_server.endpoint_url))
+    assert store._async_getter is not None
+    infos = {info.path: info for info in store.list_all()}
+    yield store, infos, metrics, client
+    store.close()
+
+
+def test_whole_and_ranged_gets_return_the_exact_bytes(moto_store):
+    store, infos, metrics, _ = moto_store
+    calls = []
+    for i in range(20):
+        info = infos[f"f{i:02d}"]
+        calls.append((info.path, 0, info.size, info.etag, info.size))
+        calls.append((info.path, 1000 + i, 70_000 + 3 * i, info.etag, info.size))
+    results = run_gets(store, calls)
+    for i in range(20):
+        whole, ranged = results[2 * i], results[2 * i + 1]
+        assert whole == BODY[i:]
+        assert ranged == BODY[i:][1000 + i:70_000 + 3 * i]
+    assert requests(metrics, "get", "200") == 20 and requests(metrics, "get", "206") == 20
+    assert metrics.counter_value("cachefs_store_read_bytes_total") == sum(map(len, results))
+
+
+def test_a_changed_object_and_a_missing_one_raise_the_store_errors(moto_store):
+    store, infos, metrics, client = moto_store
+    info = infos["f00"]
+    client.put_object(Bucket=store.bucket, Key="data/f00", Body=b"new content")
+    changed, missing = run_gets(store, [(info.path, 0, 100, info.etag, info.size),
+                                        ("absent", 0, 10, "x", 10)])
+    assert isinstance(changed, VersionChanged) and "s3://" in str(changed)
+    assert isinstance(missing, NoSuchKey)
+    assert requests(metrics, "get", "412") == 1 and requests(metrics, "get", "404") == 1
+
+
+def test_empty_range_needs_no_request(moto_store):
+    store, infos, metrics, _ = moto_store
+    info = infos["f01"]
+    assert run_gets(store, [(info.path, 5, 5, info.etag, info.size)]) == [b""]
+    assert requests(metrics, "get", "200") == 0
+
+
+def test_without_lean_requests_the_get_runs_in_a_worker_thread(s3_server, moto_store):
+    _, infos, _, _ = moto_store
+    metrics = Metrics()
+    store = S3Store(moto_store[0].bucket, "data", metrics=metrics,
+                    options=S3Options(endpoint_url=s3_server.endpoint_url, lean_requests=False))
+    try:
+        assert store._async_getter is None
+        info = infos["f03"]
+        assert run_gets(store, [(info.path, 0, info.size, info.etag, info.size)]) == [BODY[3:]]
+    finally:
+        store.close()
+
+
+# --- against a scripted server --------------------------------------------------------------------
+
+Script = Callable[[int, bytes], bytes | None]     # (connection number, request) -> reply; None: close
+
+
+class ScriptedServer:
+    """An HTTP/1.1 server on loopback answering each request with what ``script`` says.
+
+    Counts connections and requests; a reply ending in b"<close>" closes the connection after
+    sending the rest; ``b"<silent>"`` sends nothing and waits for the client to hang up."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            thread = threading.Thread(target=self._serve, args=(conn, self.connections), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket, number: int) -> None:
+        conn.settimeout(0.2)
+        buffer = b""
+        with conn:
+            while not self._stop.is_set():
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    try:
+                        data = conn.recv(65536)
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    buffer += data
+                    continue
+                request, buffer = buffer[:end + 4], buffer[end + 4:]
+                self.requests.append(request)
+                reply = self.script(number, request)
+                if reply is None:
+                    return
+                if reply == b"<silent>":
+                    self._stop.wait(5)
+                    return
+                close = reply.endswith(b"<close>")
+                conn.sendall(reply.removesuffix(b"<close>"))
+                if close:
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=6)
+        self._sock.close()
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def start(script: Script) -> ScriptedServer:
+        servers.append(ScriptedServer(script))
+        return servers[-1]
+    yield start
+    for server in servers:
+        server.close()
+
+
+def ok(body: bytes, *extra: str) -> bytes:
+    head = ["HTTP/1.1 200 OK", f"Content-Length: {len(body)}", 'ETag: "v1"', *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def getter(server: ScriptedServer, read_timeout: float = 5.0) -> AsyncGetter:
+    store = S3Store("bkt", "", metrics=Metrics(),
+                    options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}", read_timeout=read_timeout))
+    assert store._async_getter is not None
+    return store._async_getter
+
+
+def gets(getter_: AsyncGetter, n: int) -> list:
+    """n sequential GETs of key "k" in one trio run: bodies, or the exception raised."""
+    out = []
+
+    async def main() -> None:
+        for _ in range(n):
+            try:
+                out.append((await getter_.get("bkt", "k", {}))[1])
+            except Exception as exc:      # noqa: BLE001
+                out.append(exc)
+    trio.run(main)
+    return out
+
+
+def test_keep_alive_reuses_one_connection_and_signs_every_request(scripted):
+    server = scripted(lambda n, req: ok(b"hello"))
+    assert gets(getter(server), 5) == [b"hello"] * 5
+    assert server.connections == 1 and len(server.requests) == 5
+    for request in server.requests:
+        assert request.startswith(b"GET /bkt/k HTTP/1.1\r\n")
+        assert f"Host: 127.0.0.1:{server.port}\r\n".encode() in request
+        assert b"Authorization: AWS4-HMAC-SHA256 Credential=" in request
+        assert b"x-amz-date: " in request.lower()
+
+
+def test_chunked_and_close_delimited_bodies(scripted):
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nX-Trailer: t\r\n\r\n")
+    replies = {1: chunked, 2: b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end<close>"}
+    server = scripted(lambda n, req: replies[min(len(server.requests), 2)])
+    assert gets(getter(server), 2) == [b"hello, world", b"until the end"]
+    assert server.connections == 1      # the chunked answer left the connection reusable
+
+
+def test_a_connection_closed_while_idle_is_replaced_without_an_error(scripted):
+    server = scripted(lambda n, req: ok(b"x" * 1000) + b"<close>")    # no Connection: close header
+    results = gets(getter(server), 3)
+    assert results == [b"x" * 1000] * 3
+    assert server.connections == 3
+
+
+def test_a_truncated_body_is_a_connection_error_and_the_store_retries_it(scripted):
+    answers = iter([ok(BODY)[:5000] + b"<close>", ok(BODY)])
+    server = scripted(lambda n, req: next(answers))
+    metrics = Metrics()
+    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}"))
+    assert run_gets(store, [("k", 0, len(BODY), "v1", len(BODY))]) == [BODY]
+    assert metrics.counter_value("cachefs_store_retries_total", op="get") == 1
+    assert server.connections == 2
+
+
+def test_5xx_answers_are_retried_then_reported(scripted):
+    error_body = b"<Error><Code>SlowDown</Code><Message>go slow</Message></Error>"
+    slow = b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n\r\n%s" % (len(error_body), error_body)
+    server = scripted(lambda n, req: slow)
+    metrics = Metrics()
+    store = S3Store("bkt", "", metrics=metrics,
+                    options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}", max_attempts=3))
+    [error] = run_gets(store, [("k", 0, 10, "v1", 10)])
+    assert isinstance(error, Unreachable) and "SlowDown" in str(error)
+    assert len(server.requests) == 3 and server.connections == 1
+    assert requests(metrics, "get", "503") == 3
+
+
+def test_a_server_that_says_nothing_times_out(scripted):
+    server = scripted(lambda n, req: b"<silent>")
+    [error] = gets(getter(server, read_timeout=0.3), 1)
+    assert isinstance(error, TimeoutError)
+
+
+def test_garbage_instead_of_http_is_an_error_not_a_hang(scripted):
+    server = scripted(lambda n, req: b"SSH-2.0-OpenSSH\r\n\r\n")
+    metrics = Metrics()
+    store = S3Store("bkt", "", metrics=metrics,
+                    options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}", max_attempts=2))
+    [error] = run_gets(store, [("k", 0, 10, "v1", 10)])
+    assert isinstance(error, Unreachable) and "not an HTTP/1.x response" in str(error)
+
+
+def test_a_wrong_etag_in_the_answer_is_a_version_change(scripted):
+    server = scripted(lambda n, req: ok(b"0123456789").replace(b'"v1"', b'"v2"'))
+    store = S3Store("bkt", "", metrics=Metrics(), options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}"))
+    [error] = run_gets(store, [("k", 0, 10, "v1", 10)])
+    assert isinstance(error, VersionChanged)
+    server2 = scripted(lambda n, req: ok(b"01234"))
+    store2 = S3Store("bkt", "", metrics=Metrics(),
+                     options=S3Options(endpoint_url=f"http://127.0.0.1:{server2.port}", max_attempts=1))
+    [short] = run_gets(store2, [("k", 0, 10, "v1", 10)])
+    assert isinstance(short, BadResponse)
+
+
+def test_a_cancelled_get_closes_its_connection(scripted):
+    def script(n: int, req: bytes) -> bytes:
+        return b"<silent>" if n == 1 else ok(b"fresh")
+    server = scripted(script)
+    aget = getter(server)
+
+    async def main() -> list:
+        with trio.move_on_after(0.3):
+            await aget.get("bkt", "k", {})
+        return [(await aget.get("bkt", "k", {}))[1]]
+    assert trio.run(main) == [b"fresh"]
+    assert server.connections == 2
