@@ -39,7 +39,7 @@ _DEFAULT_PORT = {"http": 80, "https": 443}
 class _Connection:
     """One keep-alive stream and the bytes received past the last response."""
 
-    __slots__ = ("stream", "buffer", "used", "received")
+    __slots__ = ("buffer", "received", "stream", "used")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream

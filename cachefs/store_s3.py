@@ -25,6 +25,7 @@ import botocore.exceptions as bx
 import trio
 from botocore.config import Config
 
+from .async_get import AsyncGetter
 from .errors import (
     AccessDenied,
     BadResponse,
@@ -36,10 +37,9 @@ from .errors import (
     VersionChanged,
 )
 from .metrics import Metrics
-from .async_get import AsyncGetter
+from .retry import call_with_retries, call_with_retries_async
 from .signed_get import SignedGetter
 from .signed_put import SignedPutter
-from .retry import call_with_retries, call_with_retries_async
 from .store import Listing, ObjectInfo, ObjectStore
 
 _TEMP_CODES = frozenset({"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "InternalError",
