@@ -8,8 +8,8 @@ client CPU per GET, 1.7x the GETs per second). httpcore on trio was measured too
 GET. So this module speaks the small part of HTTP/1.1 a GET needs, and nothing else:
 
 - one request, ``Content-Length``, chunked or close-delimited bodies, keep-alive reuse;
-- the request is signed by botocore's own SigV4 signer with the session's credentials
-  (refreshed as usual), so signing is not home-made;
+- the request is signed (``sigv4``, checked against botocore's signer) with the session's
+  credentials object, refreshed as boto3 refreshes it;
 - a connection that was idle and fails before the first response byte is retried once on a
   new connection (the server closed it while idle); every other failure is the caller's to
   retry: ConnectionError and TimeoutError (transient), ``ClientError`` for an error status, in
@@ -26,10 +26,9 @@ from urllib.parse import quote, urlsplit
 
 import trio
 from botocore import exceptions as bx
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
 
 from .signed_get import error_of
+from .sigv4 import Signer
 
 _MAX_HEAD = 64 << 10         # status line and headers
 _RECV = 256 << 10            # largest single receive
@@ -75,8 +74,7 @@ class AsyncGetter:
         self._host = host if parts.port in (None, _DEFAULT_PORT[parts.scheme]) else f"{host}:{parts.port}"
         self._base = f"{parts.scheme}://{self._host}"
         self._root = parts.path
-        self._region = region
-        self._credentials = credentials
+        self._signer = Signer(credentials, region)
         self._max_idle = max_idle
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
@@ -110,10 +108,8 @@ class AsyncGetter:
     # --- requests ---
 
     def _signed(self, target: str, headers: dict[str, str]) -> bytes:
-        request = AWSRequest(method="GET", url=self._base + target, headers={"Host": self._host, **headers})
-        S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(request)
         lines = [f"GET {target} HTTP/1.1"]
-        lines += [f"{name}: {value}" for name, value in request.headers.items()]
+        lines += [f"{name}: {value}" for name, value in self._signer.headers("GET", self._host, target, headers).items()]
         lines += ["", ""]
         return "\r\n".join(lines).encode("latin-1")
 
@@ -254,19 +250,22 @@ class AsyncGetter:
     async def _connect(self, target: str) -> _Connection:
         where = f"GET {self._base}{target}"
         stream = None
+        step = "cannot connect"
         try:
             with trio.fail_after(self._connect_timeout):
                 stream = await trio.open_tcp_stream(self._hostname, self._port)
                 if self._ssl is not None:
+                    step = "TLS handshake failed"
                     stream = trio.SSLStream(stream, self._ssl, server_hostname=self._hostname,
                                             https_compatible=True)
                     await stream.do_handshake()
         except trio.TooSlowError:
             self._abandon(stream)
-            raise TimeoutError(f"{where}: connect timed out after {self._connect_timeout:g} s") from None
+            raise TimeoutError(f"{where}: {step}: no answer in {self._connect_timeout:g} s") from None
         except (OSError, trio.BrokenResourceError) as exc:
             self._abandon(stream)
-            raise ConnectionError(f"{where}: cannot connect: {exc}") from None
+            reason = exc.__cause__ or exc          # trio wraps the ssl error
+            raise ConnectionError(f"{where}: {step}: {reason}") from None
         except BaseException:
             self._abandon(stream)
             raise

@@ -7,10 +7,14 @@ bodies, keep-alive connections the server dropped while idle, truncated bodies, 
 takes this path).
 """
 
+import datetime
+import ipaddress
 import socket
+import ssl
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import trio
@@ -122,8 +126,9 @@ class ScriptedServer:
     Counts connections and requests; a reply ending in b"<close>" closes the connection after
     sending the rest; ``b"<silent>"`` sends nothing and waits for the client to hang up."""
 
-    def __init__(self, script: Script) -> None:
+    def __init__(self, script: Script, tls: ssl.SSLContext | None = None) -> None:
         self.script = script
+        self.tls = tls
         self.connections = 0
         self.requests: list[bytes] = []
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -140,6 +145,13 @@ class ScriptedServer:
             except TimeoutError:
                 continue
             self.connections += 1
+            if self.tls is not None:
+                try:
+                    conn.settimeout(2)
+                    conn = self.tls.wrap_socket(conn, server_side=True)
+                except (OSError, ssl.SSLError):
+                    conn.close()
+                    continue
             thread = threading.Thread(target=self._serve, args=(conn, self.connections), daemon=True)
             self._threads.append(thread)
             thread.start()
@@ -153,7 +165,7 @@ class ScriptedServer:
                 if end < 0:
                     try:
                         data = conn.recv(65536)
-                    except TimeoutError:
+                    except (TimeoutError, ssl.SSLWantReadError):
                         continue
                     except OSError:
                         return
@@ -185,8 +197,8 @@ class ScriptedServer:
 def scripted():
     servers = []
 
-    def start(script: Script) -> ScriptedServer:
-        servers.append(ScriptedServer(script))
+    def start(script: Script, tls: ssl.SSLContext | None = None) -> ScriptedServer:
+        servers.append(ScriptedServer(script, tls))
         return servers[-1]
     yield start
     for server in servers:
@@ -308,3 +320,54 @@ def test_a_cancelled_get_closes_its_connection(scripted):
         return [(await aget.get("bkt", "k", {}))[1]]
     assert trio.run(main) == [b"fresh"]
     assert server.connections == 2
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with cryptography (a moto dependency)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cachefs test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_https_endpoint_verified_by_aws_ca_bundle(scripted, tmp_path, monkeypatch):
+    cert, key = self_signed(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    server = scripted(lambda n, req: ok(BODY), tls)
+    url = f"https://127.0.0.1:{server.port}"
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(cert))
+    store = S3Store("bkt", "", metrics=Metrics(), options=S3Options(endpoint_url=url))
+    assert run_gets(store, [("k", 0, len(BODY), "v1", len(BODY))] * 3, limit=1) == [BODY] * 3
+    assert server.connections == 1 and server.requests[0].startswith(b"GET /bkt/k HTTP/1.1")
+    assert f"Host: 127.0.0.1:{server.port}".encode() in server.requests[0]
+    monkeypatch.delenv("AWS_CA_BUNDLE")                # an unknown issuer is refused, never trusted
+    untrusting = S3Store("bkt", "", metrics=Metrics(), options=S3Options(endpoint_url=url, max_attempts=1))
+    [error] = run_gets(untrusting, [("k", 0, len(BODY), "v1", len(BODY))])
+    assert isinstance(error, Unreachable) and "certificate" in str(error).lower()
+
+
+def test_nothing_listening_is_unreachable_after_the_retries():
+    from cachefs.local_s3 import free_port
+    metrics = Metrics()
+    store = S3Store("bkt", "", metrics=metrics,
+                    options=S3Options(endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=2))
+    [error] = run_gets(store, [("k", 0, 10, "v1", 10)])
+    assert isinstance(error, Unreachable) and "cannot connect" in str(error)
+    assert metrics.counter_value("cachefs_store_retries_total", op="get") == 1
