@@ -276,10 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     finally:
         if not args.keep:
-            for child in ("download", "warm-mnt", "warm-cache", "prefetch-cache", "large-cache", "rclone-cache",
+            for child in ("download", "warm-mnt", "warm-cache", "prefetch-mnt", "prefetch-cache", "large-mnt",
+                          "large-cache", "rclone-mnt", "rclone-cache", "s3fs-mnt", "s3fs_cache-mnt",
                           "s3fs_cache-cache", "server"):
-                remove_tree(args.workdir / child)
-            shutil.rmtree(args.workdir / "dataset", ignore_errors=True) if not args.keep else None
+                remove_tree(args.workdir / child)     # mountpoints are unmounted by then: empty dirs
+            (args.workdir / "s3fs.passwd").unlink(missing_ok=True)
+            shutil.rmtree(args.workdir / "dataset", ignore_errors=True)
 
 
 if __name__ == "__main__":
