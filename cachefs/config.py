@@ -97,9 +97,9 @@ class MountConfig:
     max_attempts: int = field(default=5, metadata={"help": "tries per store request (5xx, throttling)"})
     lean_requests: bool = field(default=True, metadata={
         "help": "S3 GETs run as trio tasks on a small keep-alive HTTP/1.1 client with SigV4 (no worker "
-                "thread per GET); PUTs and UploadParts are signed with SigV4 and sent with urllib3. Both "
-                "skip botocore's request/response machinery; --no-lean-requests uses plain boto3 in "
-                "worker threads"})
+                "thread per GET); LIST pages, PUTs and UploadParts are signed with SigV4 and sent with "
+                "urllib3. All skip botocore's request/response machinery; --no-lean-requests uses plain "
+                "boto3 in worker threads"})
     fsync_cache_files: bool = field(default=True, metadata={
         "help": "fsync disk-tier files before renaming them into place"})
     fill_workers: int = field(default=4, metadata={"help": "threads writing the disk tier"})

@@ -304,8 +304,8 @@ class S3Store(ObjectStore):
         self._simple("head_bucket", "", "head_bucket", NoSuchBucket, Bucket=self.bucket)
         if not self.prefix:
             return
-        page = self._simple("list", self._root, "list_objects_v2", NoSuchBucket,
-                            Bucket=self.bucket, Prefix=self._root, MaxKeys=1)
+        page = self._list_page(self._root, {"Bucket": self.bucket, "Prefix": self._root, "MaxKeys": 1},
+                               NoSuchBucket)
         if not page.get("Contents") and not page.get("CommonPrefixes"):
             raise NoSuchKey(f"no objects under s3://{self.bucket}/{self.prefix}")
 
@@ -409,13 +409,29 @@ class S3Store(ObjectStore):
         if delimiter:
             kwargs["Delimiter"] = "/"
         while True:
-            page = self._simple("list", full, "list_objects_v2", **kwargs)
+            page = self._list_page(full, kwargs)
             yield page
             if not page.get("IsTruncated"):
                 return
             if not page.get("NextContinuationToken"):
                 raise BadResponse(f"list {self._url(full)}: truncated page without a continuation token")
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    def _list_page(self, full: str, kwargs: dict[str, Any], missing: type[StoreError] = NoSuchKey) -> dict:
+        """One retried, counted ListObjectsV2 page: lean (``signed_get.list_page``) or boto3."""
+        if self._getter is None:
+            return self._simple("list", full, "list_objects_v2", missing, **kwargs)
+        params = {"prefix": kwargs["Prefix"]}
+        if "Delimiter" in kwargs:
+            params["delimiter"] = kwargs["Delimiter"]
+        if "ContinuationToken" in kwargs:
+            params["continuation-token"] = kwargs["ContinuationToken"]
+        if "MaxKeys" in kwargs:
+            params["max-keys"] = str(kwargs["MaxKeys"])
+
+        def request() -> tuple[dict, None]:
+            return self._getter.list_page(self.bucket, params), None
+        return self._call("list", full, lambda: self._timed("list", request)[0], missing)
 
     # --- writes ---
 

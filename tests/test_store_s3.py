@@ -84,6 +84,59 @@ def test_list_all_is_flat_paginated_and_skips_markers(big_bucket, make_store, me
     assert requests(metrics, "list", "200") == 3
 
 
+ODD_KEYS = ["odd/a b.jpg", "odd/plus+sign", "odd/100%.txt", "odd/été/ünï.bin", "odd/q?x=1&y", "odd/tab\tname",
+            "odd/amp&lt;", "odd/sub dir/x"]
+
+
+def test_listing_keeps_odd_keys_exact_and_same_as_boto3(s3_server, client, bucket, metrics):
+    """The lean ListObjectsV2 path (URL-encoded keys, ElementTree, fromisoformat) gives what
+    boto3's does, field by field, for keys with spaces, '+', '%', non-ASCII and XML specials."""
+    put_many(client, bucket, ODD_KEYS, b"12345")
+    lean = S3Store(bucket, "", metrics=metrics, options=S3Options(endpoint_url=s3_server.endpoint_url))
+    plain = S3Store(bucket, "", metrics=Metrics(),
+                    options=S3Options(endpoint_url=s3_server.endpoint_url, lean_requests=False))
+    try:
+        assert lean._getter is not None and plain._getter is None
+        assert sorted(lean.list_all("odd/"), key=str) == sorted(plain.list_all("odd/"), key=str)
+        assert sorted(i.path for i in lean.list_all("odd/")) == sorted(ODD_KEYS)
+        assert lean.list_dir("odd/") == plain.list_dir("odd/")
+        assert sorted(lean.list_dir("odd/").dirs) == ["sub dir", "été"]
+        info = lean.list_dir("odd/").files[0]
+        assert info.size == 5 and len(info.etag) == 32 and abs(info.mtime - time.time()) < 600
+        assert lean.list_dir("odd/sub dir/").files[0].path == "odd/sub dir/x"
+    finally:
+        lean.close()
+        plain.close()
+
+
+def test_list_page_parser_reads_s3_xml_without_encoding():
+    from cachefs.signed_get import parse_list_page
+    body = b"""<?xml version="1.0" encoding="UTF-8"?>
+<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name><Prefix>p/</Prefix>
+<KeyCount>2</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>
+<NextContinuationToken>1ueGcxLPRx1Tr/XYExHnhbYLgveDs2J/wm36Hy4vbOwM=</NextContinuationToken>
+<Contents><Key>p/a+b &amp; c</Key><LastModified>2026-11-22T09:00:01.000Z</LastModified>
+<ETag>&quot;d41d8cd98f00b204e9800998ecf8427e&quot;</ETag><Size>0</Size><StorageClass>STANDARD</StorageClass></Contents>
+<CommonPrefixes><Prefix>p/sub/</Prefix></CommonPrefixes></ListBucketResult>"""
+    page = parse_list_page(body)
+    assert page["IsTruncated"] is True and page["NextContinuationToken"].endswith("bOwM=")
+    [obj] = page["Contents"]
+    assert obj["Key"] == "p/a+b & c"            # no EncodingType: taken as it is, '+' kept
+    assert obj["ETag"] == '"d41d8cd98f00b204e9800998ecf8427e"' and obj["Size"] == 0
+    assert obj["LastModified"].timestamp() == 1795338001.0
+    assert page["CommonPrefixes"] == [{"Prefix": "p/sub/"}]
+
+
+def test_a_malformed_list_answer_is_an_error_not_an_empty_directory():
+    import xml.etree.ElementTree as ET
+
+    from cachefs.signed_get import parse_list_page
+    with pytest.raises(ET.ParseError):
+        parse_list_page(b"<ListBucketResult><Contents><Key>k</Key></Contents")     # cut short
+    with pytest.raises(ValueError):
+        parse_list_page(b"<ListBucketResult><Contents><Key>k</Key><Size>x</Size></Contents></ListBucketResult>")
+
+
 def test_list_dir_root_and_absent_prefix(client, bucket, make_store):
     put_many(client, bucket, ["a", "d/b"])
     store = make_store(bucket)
