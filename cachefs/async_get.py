@@ -22,6 +22,7 @@ Connections belong to one trio run; a getter used from another run starts a new 
 
 import os
 import ssl
+import time
 from urllib.parse import quote, urlsplit
 
 import trio
@@ -33,18 +34,22 @@ from .sigv4 import Signer
 _MAX_HEAD = 64 << 10         # status line and headers
 _RECV = 256 << 10            # largest single receive
 _DEFAULT_PORT = {"http": 80, "https": 443}
+# A connection idle longer is closed, not reused. Load balancers drop idle connections without
+# a word (AWS ALB after 60 s); a GET sent on one would wait out the whole read timeout.
+_IDLE_MAX_S = 20.0
 
 
 class _Connection:
     """One keep-alive stream and the bytes received past the last response."""
 
-    __slots__ = ("buffer", "received", "stream", "used")
+    __slots__ = ("buffer", "idle_since", "received", "stream", "used")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.buffer = bytearray()
         self.used = False          # has answered a request before: may have gone stale while idle
         self.received = 0          # bytes received for the current request
+        self.idle_since = 0.0      # time.monotonic() when it went back to the pool
 
     def close(self) -> None:
         """Close at once (safe under cancellation: no await)."""
@@ -238,10 +243,14 @@ class AsyncGetter:
         if run is not self._run:
             self._idle.clear()     # a previous run's streams: unusable here, left to the garbage collector
             self._run = run
+        now = time.monotonic()
+        while self._idle and now - self._idle[0].idle_since > _IDLE_MAX_S:     # oldest first
+            self._idle.pop(0).close()
         return self._idle.pop() if self._idle else None
 
     def _give_back(self, conn: _Connection) -> None:
         conn.used = True
+        conn.idle_since = time.monotonic()
         if len(self._idle) < self._max_idle:
             self._idle.append(conn)
         else:

@@ -242,6 +242,20 @@ def test_keep_alive_reuses_one_connection_and_signs_every_request(scripted):
         assert b"x-amz-date: " in request.lower()
 
 
+def test_a_connection_idle_too_long_is_not_reused(scripted, monkeypatch):
+    import cachefs.async_get
+    monkeypatch.setattr(cachefs.async_get, "_IDLE_MAX_S", 0.2)
+    server = scripted(lambda n, req: ok(b"hello"))
+    aget = getter(server)
+
+    async def main() -> list:
+        bodies = [(await aget.get("bkt", "k", {}))[1], (await aget.get("bkt", "k", {}))[1]]
+        await trio.sleep(0.3)
+        return bodies + [(await aget.get("bkt", "k", {}))[1]]
+    assert trio.run(main) == [b"hello"] * 3
+    assert server.connections == 2          # reused once, then replaced after 0.3 s idle
+
+
 def test_chunked_and_close_delimited_bodies(scripted):
     chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                b"5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nX-Trailer: t\r\n\r\n")
