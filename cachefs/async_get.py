@@ -113,9 +113,8 @@ class AsyncGetter:
     # --- requests ---
 
     def _signed(self, target: str, headers: dict[str, str]) -> bytes:
-        lines = [f"GET {target} HTTP/1.1"]
-        lines += [f"{name}: {value}" for name, value in self._signer.headers("GET", self._host, target, headers).items()]
-        lines += ["", ""]
+        signed = self._signer.headers("GET", self._host, target, headers)
+        lines = [f"GET {target} HTTP/1.1", *(f"{name}: {value}" for name, value in signed.items()), "", ""]
         return "\r\n".join(lines).encode("latin-1")
 
     async def _exchange(self, conn: _Connection, request: bytes, target: str) -> tuple[dict, bytes]:
