@@ -23,12 +23,12 @@ Connections belong to one trio run; a getter used from another run starts a new 
 import os
 import ssl
 import time
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import trio
 from botocore import exceptions as bx
 
-from .signed_get import error_of
+from .signed_get import error_of, object_path
 from .sigv4 import Signer
 
 _MAX_HEAD = 64 << 10         # status line and headers
@@ -88,7 +88,7 @@ class AsyncGetter:
         self._run: object | None = None       # the trio run the idle connections belong to
 
     def target(self, bucket: str, key: str) -> str:
-        return f"{self._root}/{bucket}/{quote(key, safe='/~')}"
+        return self._root + object_path(bucket, key)
 
     async def get(self, bucket: str, key: str, headers: dict[str, str]) -> tuple[dict, bytes]:
         """(response dict, body) of one GET; ClientError for an HTTP error status."""

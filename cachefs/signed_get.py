@@ -49,7 +49,7 @@ class SignedGetter:
         return credentials is not None and not proxied and bool(client.meta.endpoint_url)
 
     def url(self, bucket: str, key: str) -> str:
-        return f"{self._endpoint}/{bucket}/{quote(key, safe='/~')}"
+        return self._endpoint + object_path(bucket, key)
 
     def get(self, bucket: str, key: str, headers: dict[str, str]) -> tuple[dict, bytes]:
         """(response dict, body) of one GET; ClientError for an HTTP error status."""
@@ -120,6 +120,11 @@ def _timestamp(text: str | None) -> datetime.datetime:
         raise ValueError("object without LastModified")
     value = datetime.datetime.fromisoformat(text.strip())
     return value if value.tzinfo else value.replace(tzinfo=datetime.UTC)
+
+
+def object_path(bucket: str, key: str) -> str:
+    """The path-style request path of an object, percent-encoded once as S3 signs it ("/" kept)."""
+    return f"/{bucket}/{quote(key, safe='/~')}"
 
 
 def error_of(status: int, body: bytes | None) -> dict:

@@ -172,12 +172,13 @@ def _signed_putter(client: Any, session: Any, options: S3Options) -> SignedPutte
                         connect_timeout=options.connect_timeout, read_timeout=options.read_timeout)
 
 
-def _get_headers(kwargs: dict[str, Any]) -> dict[str, str]:
+def _get_headers(want: "_Want") -> dict[str, str]:
+    """If-Match and Range of a GET, as HTTP headers (the lean paths)."""
     headers = {}
-    if "IfMatch" in kwargs:
-        headers["If-Match"] = kwargs["IfMatch"]
-    if "Range" in kwargs:
-        headers["Range"] = kwargs["Range"]
+    if want.etag:
+        headers["If-Match"] = f'"{want.etag}"'
+    if want.ranged:
+        headers["Range"] = f"bytes={want.start}-{want.end - 1}"
     return headers
 
 
@@ -346,20 +347,16 @@ class S3Store(ObjectStore):
         key = self._root + path
         return key, _Want(self._url(key), etag, start, end, size)
 
-    def _get_kwargs(self, key: str, want: _Want) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
-        if want.etag:
-            kwargs["IfMatch"] = f'"{want.etag}"'
-        if want.ranged:
-            kwargs["Range"] = f"bytes={want.start}-{want.end - 1}"
-        return kwargs
-
     def _get_once(self, key: str, want: _Want) -> bytes:
-        kwargs = self._get_kwargs(key, want)
-
         def request() -> tuple[dict, bytes]:
+            headers = _get_headers(want)
             if self._getter is not None:
-                return self._getter.get(self.bucket, key, _get_headers(kwargs))
+                return self._getter.get(self.bucket, key, headers)
+            kwargs = {"Bucket": self.bucket, "Key": key}
+            if "If-Match" in headers:
+                kwargs["IfMatch"] = headers["If-Match"]
+            if "Range" in headers:
+                kwargs["Range"] = headers["Range"]
             response = self._client.get_object(**kwargs)
             with response["Body"] as body:
                 return response, body.read()   # inside the attempt: a mid-body reset is retried
@@ -369,8 +366,7 @@ class S3Store(ObjectStore):
     async def _get_once_async(self, key: str, want: _Want) -> bytes:
         started, status = time.monotonic(), "error"
         try:
-            response, body = await self._async_getter.get(self.bucket, key,
-                                                          _get_headers(self._get_kwargs(key, want)))
+            response, body = await self._async_getter.get(self.bucket, key, _get_headers(want))
             status = _status_of(response)
         except bx.ClientError as exc:
             status = _status_of(exc.response)
