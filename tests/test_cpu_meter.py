@@ -9,13 +9,8 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from benchmarks.cpu_meter import (
     CpuMeter,

@@ -16,8 +16,6 @@ import pytest
 from botocore.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from benchmarks.latency_proxy import (
     LatencyProxy,
