@@ -47,7 +47,7 @@ from benchmarks.cachefs_mount import (
 )
 from benchmarks.cpu_meter import CpuMeter, pids_with_arg
 from benchmarks.peer_mounts import RcloneMount, S3fsMount, s3fs_available
-from benchmarks.readers import Result, Tally
+from benchmarks.readers import Result
 from benchmarks.s3_servers import ProxyProcess, start_server
 
 MiB = 1 << 20
@@ -121,14 +121,12 @@ class Bench:
         client = dataset.s3_client(endpoint_url, pool=self.args.concurrency + 4)
         client.head_bucket(Bucket=BUCKET)
         out = self.work("download")
-        tally = Tally()
 
         def fetch(entry: dataset.Entry) -> None:
             target = out / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
             body = client.get_object(Bucket=BUCKET, Key=dataset.object_key(PREFIX, entry.path))["Body"].read()
             target.write_bytes(body)
-            tally.files += 1
 
         start = time.monotonic()
         with self.meter() as cpu, ThreadPoolExecutor(self.args.concurrency) as pool:
@@ -224,12 +222,12 @@ def ratios(rows: dict[str, dict], bandwidth_mbps: float) -> list[dict]:
     return out
 
 
+CPU_GROUPS = ("daemon", "store", "client", "other", "total")
+
+
 def cpu_text(row: dict) -> str:
     parts = " ".join(f"{name} {row[f'cpu_{name}_ms']:.2f}" for name in CPU_GROUPS if f"cpu_{name}_ms" in row)
     return f"CPU ms/file: {parts}; {row['cpu_cores']:.2f} CPUs busy; cap {row['cap_files_s']:.0f} files/s"
-
-
-CPU_GROUPS = ("daemon", "store", "client", "other", "total")
 
 
 def render(rows: dict[str, dict], bandwidth_mbps: float, header: str) -> str:
@@ -254,8 +252,11 @@ def render(rows: dict[str, dict], bandwidth_mbps: float, header: str) -> str:
     return "\n".join(lines)
 
 
-def chart(rows: dict[str, dict], caption: str, title: str, path: Path) -> None:
-    """Files/s of each epoch row, and beside it where each row's CPU per file went."""
+def chart(rows: dict[str, dict], setup: dict[str, str], path: Path) -> None:
+    """Files/s of each epoch row, and beside it where each row's CPU per file went.
+    ``setup`` is the run's arguments as strings, as the --json file keeps them."""
+    caption = f"files/s, {setup['readers']} readers, {float(setup['latency_ms']):g} ms store latency"
+    title = f"One epoch of {setup['files']} x ~{int(setup['file_size']) // 1024} KiB files"
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -280,11 +281,6 @@ def chart(rows: dict[str, dict], caption: str, title: str, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-def chart_bench(bench: Bench, path: Path) -> None:
-    chart(bench.rows, f"files/s, {bench.args.readers} readers, {bench.args.latency_ms:g} ms store latency",
-          f"One epoch of {len(bench.order)} x ~{bench.args.file_size // 1024} KiB files", path)
 
 
 def describe(args: argparse.Namespace) -> str:
@@ -318,12 +314,14 @@ def run(args: argparse.Namespace) -> int:
             bench.large_row(capped.endpoint_url)
     report = render(bench.rows, args.bandwidth_mbps, header)
     print("\n" + report)
+    setup = {k: str(v) for k, v in vars(args).items()}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"header": header, "rows": bench.rows, "ratios": ratios(bench.rows, args.bandwidth_mbps),
-                                         "setup": {k: str(v) for k, v in vars(args).items()}}, indent=2))
+        args.json.write_text(json.dumps({"header": header, "rows": bench.rows,
+                                         "ratios": ratios(bench.rows, args.bandwidth_mbps), "setup": setup},
+                                        indent=2))
     if args.png:
-        chart_bench(bench, args.png)
+        chart(bench.rows, setup, args.png)
     return 0 if all(r.get("ok", True) for r in bench.rows.values()) else 1
 
 
@@ -332,8 +330,7 @@ def replot(args: argparse.Namespace) -> int:
     setup = saved["setup"]
     print(render(saved["rows"], float(setup["bandwidth_mbps"]), saved["header"]))
     if args.png:
-        chart(saved["rows"], f"files/s, {setup['readers']} readers, {float(setup['latency_ms']):g} ms store latency",
-              f"One epoch of {setup['files']} x ~{int(setup['file_size']) // 1024} KiB files", args.png)
+        chart(saved["rows"], setup, args.png)
     return 0
 
 
