@@ -5,13 +5,16 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench deps clean
+.PHONY: demo test lint bench deps clean
 
 demo: $(STAMP)
 	$(VENV)/bin/cachefs demo
 
-test: $(STAMP)
+test: lint
 	$(VENV)/bin/pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(wildcard cachefs warmup packer csi tests benchmarks)
 
 bench: $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,bench]'

@@ -91,7 +91,7 @@ def resolve_server(choice: str) -> str:
 
 
 def use_local_credentials() -> None:
-    from cachefs.local_s3 import local_credentials_env
+    from cachefs.demo.local_s3 import local_credentials_env
     for name, value in {**local_credentials_env(), "AWS_EC2_METADATA_DISABLED": "true"}.items():
         os.environ.setdefault(name, value)
 

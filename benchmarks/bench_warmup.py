@@ -271,10 +271,10 @@ def chart(rows: dict[str, dict], setup: dict[str, str], path: Path) -> None:
     for i, r in enumerate(rows):
         rate_ax.text(r["files_s"], i, f" {r['files_s']:.0f}", va="center", fontsize=8)
     left = [0.0] * len(rows)
-    for group, color in zip(CPU_GROUPS[:4], ("#2a7", "#c84", "#58c", "#bbb")):
+    for group, color in zip(CPU_GROUPS[:4], ("#2a7", "#c84", "#58c", "#bbb"), strict=False):
         widths = [r.get(f"cpu_{group}_ms", 0.0) for r in rows]
         cpu_ax.barh(names, widths, left=left, color=color, label=group)
-        left = [a + b for a, b in zip(left, widths)]
+        left = [a + b for a, b in zip(left, widths, strict=False)]
     cpu_ax.set_xlabel("CPU ms per file, all processes on the machine")
     cpu_ax.set_title("Where the CPU went")
     cpu_ax.legend(loc="upper right", fontsize=8)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import random
 import signal
 import socket
@@ -169,10 +170,8 @@ class FaultPlan:
 def abort_with_rst(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
     writer.transport.abort()
 
 
@@ -260,10 +259,8 @@ class Connection:
         else:
             self._mode = "answered"
             self.c_writer.write(error_response(kind))
-            try:
+            with contextlib.suppress(OSError):
                 await self.c_writer.drain()
-            except OSError:
-                pass
             self.c_writer.transport.write_eof()
         return False
 
@@ -277,10 +274,8 @@ class Connection:
 
     def _client_done(self) -> None:
         if self._mode == "forward" and self.u_writer.can_write_eof():
-            try:
+            with contextlib.suppress(OSError):
                 self.u_writer.write_eof()
-            except OSError:
-                pass
         else:
             self.c_writer.close()
 

@@ -4,15 +4,12 @@ import argparse
 import json
 import logging
 import os
-import select
 import signal
-import subprocess
 import sys
-import time
 
-from . import __version__
-from .config import MountConfig, build_config, load_toml, option_fields, render_default, to_dict
-from .errors import CachefsError, ExitCode, MountpointError, StartTimeout, UsageError
+from cachefs import __version__, launcher
+from cachefs.config import MountConfig, build_config, load_toml, option_fields, render_default
+from cachefs.errors import CachefsError, ExitCode, MountpointError, StartTimeout, UsageError
 
 log = logging.getLogger("cachefs")
 
@@ -57,110 +54,31 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
 def cmd_mount(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.foreground:
-        from .daemon import serve
-        _setup_logging(cfg, to_stderr=True)
+        from cachefs.daemon import serve
+        launcher.setup_logging(cfg, to_stderr=True)
         serve(cfg, lambda: print(f"cachefs: mounted {cfg.url} at {cfg.mountpoint}", file=sys.stderr))
         return 0
-    return _spawn_daemon(cfg)
-
-
-def _spawn_daemon(cfg: MountConfig) -> int:
-    """Start the daemon in its own session and wait until it says ready or fails."""
     try:
-        os.makedirs(os.path.dirname(cfg.log_path), exist_ok=True)
-        logfile = open(cfg.log_path, "ab")
-    except OSError as exc:
-        from .errors import CacheDirError
-        raise CacheDirError(f"cannot open log file {cfg.log_path}: {exc.strerror}") from None
-    ready_r, ready_w = os.pipe()
-    child = subprocess.Popen([sys.executable, "-m", "cachefs", "_daemon", str(ready_w)],
-                             stdin=subprocess.PIPE, stdout=logfile, stderr=logfile, pass_fds=(ready_w,),
-                             start_new_session=True, close_fds=True)
-    os.close(ready_w)
-    logfile.close()
-    child.stdin.write(json.dumps(to_dict(cfg)).encode())
-    child.stdin.close()
-    line = _read_ready(ready_r, child, cfg.ready_timeout)
-    if line.startswith("OK"):
-        print(f"cachefs: mounted {cfg.url} at {cfg.mountpoint} (pid {child.pid}, log {cfg.log_path})",
-              file=sys.stderr)
-        return 0
-    if line.startswith("ERR "):
-        code, _, message = line[4:].partition(" ")
-        print(f"cachefs: error: {message}", file=sys.stderr)
-        return int(code)
-    raise CachefsError(f"the daemon exited (status {child.returncode}) before the mount was ready; "
-                       f"see {cfg.log_path}")
-
-
-def _read_ready(fd: int, child: subprocess.Popen, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    data = b""
-    with os.fdopen(fd, "rb", buffering=0) as pipe:
-        while b"\n" not in data:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                child.kill()
-                child.wait()
-                raise StartTimeout(f"the daemon was not ready within {timeout:.0f} s; it was stopped")
-            if select.select([pipe], [], [], min(left, 0.5))[0]:
-                chunk = pipe.read(4096)
-                if not chunk:
-                    child.wait()
-                    break
-                data += chunk
-    return data.decode(errors="replace").strip()
+        started = launcher.start(cfg)
+    except launcher.StartFailed as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(f"cachefs: mounted {cfg.url} at {cfg.mountpoint} (pid {started.pid}, log {started.log_path})",
+          file=sys.stderr)
+    return 0
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
     """Internal: the daemon process started by `mount` (config on stdin, ready line on a pipe)."""
-    ready = os.fdopen(int(args.ready_fd), "w")
-    try:
-        cfg = build_config(json.loads(sys.stdin.read()))
-        _setup_logging(cfg, to_stderr=False)
-        devnull = os.open(os.devnull, os.O_RDWR)
-        os.dup2(devnull, 0)
-        from .daemon import serve
-
-        def on_ready() -> None:
-            ready.write("OK\n")
-            ready.close()
-
-        serve(cfg, on_ready)
-        return 0
-    except CachefsError as exc:
-        log.error("%s", exc)
-        if not ready.closed:
-            ready.write(f"ERR {exc.exit_code} {exc}\n")
-            ready.close()
-        return exc.exit_code
-    except BaseException:
-        log.exception("daemon failed")
-        if not ready.closed:
-            ready.write(f"ERR {ExitCode.INTERNAL} internal error; see the log\n")
-            ready.close()
-        raise
+    return launcher.run_daemon(int(args.ready_fd))
 
 
-def _setup_logging(cfg: MountConfig, *, to_stderr: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr) if to_stderr else logging.FileHandler(cfg.log_path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(cfg.log_level.upper())
-    # botocore's debug log carries Authorization headers: never below WARNING, even at debug.
-    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "pyfuse3", "fsspec"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-# ---- umount, status ----------------------------------------------------------------------------------
+# ---- umount, sync, status ----------------------------------------------------------------------------
 def cmd_umount(args: argparse.Namespace) -> int:
-    from .control_client import request
-    from .daemon import find_mount
+    from cachefs.control.client import request
 
     mountpoint = os.path.abspath(args.mountpoint)
-    entry = find_mount(mountpoint)
-    if entry is None or not entry[1].startswith("fuse"):
+    if not launcher.is_cachefs_mount(mountpoint):
         raise MountpointError(f"{mountpoint} is not a mounted cachefs filesystem")
     pid = None
     try:
@@ -169,13 +87,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
         pass   # a dead daemon leaves a stale mount: unmount it all the same
     if pid is not None and args.drain:
         _drain(mountpoint, args.timeout)
-    command = ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [mountpoint]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
-        raise MountpointError(f"cannot unmount {mountpoint}: {reason}"
-                              + ("" if args.lazy else " (close open files, or use --lazy)"))
-    if pid is not None and not _wait_exit(pid, args.timeout):
+    launcher.unmount(mountpoint, lazy=args.lazy)
+    if pid is not None and not launcher.wait_exit(pid, args.timeout):
         print(f"cachefs: warning: daemon pid {pid} still running after {args.timeout:.0f} s", file=sys.stderr)
     print(f"cachefs: unmounted {mountpoint}", file=sys.stderr)
     return 0
@@ -183,7 +96,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 def _drain(mountpoint: str, timeout: float) -> None:
     """Upload everything staged before unmounting; refuse to unmount if it does not finish in time."""
-    from .control_client import request
+    from cachefs.control.client import request
 
     final = {}
     for reply in request(mountpoint, "sync", wait=True, timeout=timeout):
@@ -202,8 +115,8 @@ def _drain(mountpoint: str, timeout: float) -> None:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from .control_client import request
-    from .status_view import pending_line
+    from cachefs.control.client import request
+    from cachefs.control.status_view import pending_line
 
     final = {}
     for reply in request(os.path.abspath(args.mountpoint), "sync", wait=args.wait, timeout=args.timeout,
@@ -223,28 +136,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     return 0 if done or not args.wait else ExitCode.TIMEOUT
 
 
-def _wait_exit(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not process_alive(pid):
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def process_alive(pid: int) -> bool:
-    """Running, not a zombie: the daemon is another session's child, and whoever reaps it
-    (init, a container's pid 1) may take a while; it has finished once it is a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    from .control_client import request
-    from .status_view import render
+    from cachefs.control.client import request
+    from cachefs.control.status_view import render
 
     status = next(request(os.path.abspath(args.mountpoint), "status"))
     if "error" in status:
@@ -254,7 +148,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from cachefs.demo.run import run_demo
     return run_demo(files=args.files, large_size=args.large_size, workdir=args.workdir)
 
 

@@ -6,11 +6,8 @@ that raises a ``CachefsError`` and leaves nothing mounted. Start-up order is
 torn down in reverse by the nursery and the ``finally`` clauses.
 """
 
-import contextlib
-import fcntl
 import logging
 import os
-import shutil
 import signal
 import sqlite3
 import sys
@@ -20,110 +17,23 @@ from collections.abc import AsyncIterator, Callable
 import pyfuse3
 import trio
 
-from . import __version__
-from .block_cache import BlockCache
-from .config import MountConfig
-from .control import Control
-from .disk_tier import DiskTier
-from .errors import CacheDirError, CachefsError, ConfigError, FuseUnavailable, MountpointError
-from .fuse_ops import Operations
-from .listing_snapshot import ListingSnapshot
-from .malloc_tuning import tune_malloc
-from .memory_tier import MemoryTier
-from .metrics import Exporter, Metrics
-from .prefetcher import Prefetcher
-from .store import ObjectStore, open_store
-from .vfs import Vfs
-from .writeback import Writeback, make_writeback
+from cachefs import __version__
+from cachefs.config import MountConfig
+from cachefs.control.server import Control
+from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError
+from cachefs.fuse_ops import Operations
+from cachefs.host import CacheDirLock, check_fuse, check_mountpoint, tune_kernel, tune_malloc
+from cachefs.metrics import Exporter, Metrics
+from cachefs.namespace.snapshot import ListingSnapshot
+from cachefs.namespace.vfs import Vfs
+from cachefs.store import ObjectStore, open_store
+from cachefs.tiers.cache import BlockCache
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.memory import MemoryTier
+from cachefs.warm.engine import Prefetcher
+from cachefs.writeback.engine import Writeback, make_writeback
 
 log = logging.getLogger(__name__)
-
-
-# ---- preflight --------------------------------------------------------------------------------
-def check_fuse() -> None:
-    if not os.path.exists("/dev/fuse"):
-        raise FuseUnavailable("/dev/fuse is missing: load the fuse module or pass the device to the container")
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        raise FuseUnavailable("/dev/fuse is not readable and writable by this user")
-    if os.getuid() != 0 and shutil.which("fusermount3") is None:
-        raise FuseUnavailable("fusermount3 is missing: install the fuse3 package")
-
-
-def check_mountpoint(path: str) -> None:
-    if not os.path.exists(path):
-        raise MountpointError(f"mountpoint {path} does not exist")
-    if not os.path.isdir(path):
-        raise MountpointError(f"mountpoint {path} is not a directory")
-    if os.path.ismount(path) or find_mount(path) is not None:
-        raise MountpointError(f"mountpoint {path} is busy: something is already mounted there")
-
-
-def find_mount(path: str) -> tuple[str, str] | None:
-    """(major:minor, fstype) of the mount at ``path``, read without touching the mount itself."""
-    try:
-        with open("/proc/self/mountinfo") as fh:
-            lines = fh.readlines()
-    except OSError:
-        return None
-    found = None
-    for line in lines:
-        fields = line.split()
-        sep = fields.index("-")
-        if _unescape(fields[4]) == path:
-            found = (fields[2], fields[sep + 1])   # the last one mounted there wins
-    return found
-
-
-def _unescape(field: str) -> str:
-    return field.encode().decode("unicode_escape") if "\\" in field else field
-
-
-class CacheDirLock:
-    """One daemon per cache dir: an exclusive flock held for the daemon's life."""
-
-    def __init__(self, cache_dir: str) -> None:
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            self._fd = os.open(os.path.join(cache_dir, "cachefs.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise CacheDirError(f"cache dir {cache_dir}: {exc.strerror}") from None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise CacheDirError(f"cache dir {cache_dir} is in use by another cachefs daemon (pid {holder})")
-        try:
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError as exc:          # ENOSPC on a full cache disk, EIO on a failing one
-            os.close(self._fd)
-            raise CacheDirError(f"cache dir {cache_dir}: {exc.strerror}") from None
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-def tune_kernel(mountpoint: str, read_ahead_kb: int, max_background: int) -> None:
-    """Raise the FUSE bdi readahead and the connection's max_background (DESIGN §3)."""
-    entry = find_mount(mountpoint)
-    if entry is None:
-        log.info("cannot find %s in mountinfo; kernel tuning skipped", mountpoint)
-        return
-    major, minor = (int(x) for x in entry[0].split(":"))
-    conn = os.makedev(major, minor)
-    if not os.path.isdir("/sys/fs/fuse/connections") or not os.listdir("/sys/fs/fuse/connections"):
-        with contextlib.suppress(OSError):
-            os.system("mount -t fusectl none /sys/fs/fuse/connections 2>/dev/null")
-    writes = {f"/sys/class/bdi/{major}:{minor}/read_ahead_kb": read_ahead_kb,
-              f"/sys/fs/fuse/connections/{conn}/max_background": max_background,
-              f"/sys/fs/fuse/connections/{conn}/congestion_threshold": max(1, max_background * 3 // 4)}
-    for path, value in writes.items():
-        try:
-            with open(path, "w") as fh:
-                fh.write(str(value))
-        except OSError as exc:
-            log.info("kernel tuning: cannot write %s (%s)", path, exc.strerror)
 
 
 # ---- the daemon ---------------------------------------------------------------------------------
@@ -198,7 +108,7 @@ class Daemon:
         yield self.status()
 
     async def _sync_command(self, args: dict) -> AsyncIterator[dict]:
-        from .writeback import sync_command
+        from cachefs.writeback.engine import sync_command
         async for reply in sync_command(self.writeback, args):
             yield reply
 

@@ -14,10 +14,11 @@ import time
 
 import pyfuse3
 
-from .control import Control
-from .errors import CachefsError
-from .metrics import Metrics
-from .vfs import CONTROL_INODE, CONTROL_NAME, ROOT_INODE, FsError, Node, Vfs
+from cachefs.control.protocol import CONTROL_NAME
+from cachefs.control.server import Control
+from cachefs.errors import CachefsError
+from cachefs.metrics import Metrics
+from cachefs.namespace.vfs import CONTROL_INODE, ROOT_INODE, FsError, Node, Vfs
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.cli import process_alive
-from cachefs.control_client import request
-from cachefs.daemon import find_mount
+from cachefs.control.client import request
+from cachefs.host import find_mount
+from cachefs.launcher import process_alive
 
 CACHEFS = [sys.executable, "-m", "cachefs"]
 
@@ -84,9 +84,8 @@ class Mount:
         self.pid = None
 
     def cleanup(self) -> None:
-        if is_mounted(self.path):
-            if cachefs("umount", str(self.path)).returncode != 0:
-                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+        if is_mounted(self.path) and cachefs("umount", str(self.path)).returncode != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
         if self.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)

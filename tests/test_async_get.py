@@ -1,4 +1,4 @@
-"""GETs as trio tasks (``cachefs.async_get``) through ``S3Store.get_async``.
+"""GETs as trio tasks (``cachefs.store.s3.http``) through ``S3Store.get_async``.
 
 Against moto's server on loopback for S3 behaviour, and against a scripted HTTP server on
 loopback (real sockets, one thread) for what moto never does: chunked and close-delimited
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from cachefs.async_get import AsyncGetter
+from cachefs.demo.local_s3 import s3_client
 from cachefs.errors import BadResponse, NoSuchKey, Unreachable, VersionChanged
-from cachefs.local_s3 import s3_client
 from cachefs.metrics import Metrics
-from cachefs.store_s3 import S3Options, S3Store
+from cachefs.store.s3.http import AsyncGetter
+from cachefs.store.s3.store import S3Options, S3Store
 
 BODY = bytes(range(256)) * 700       # 179,200 bytes: several receives
 
@@ -243,8 +243,8 @@ def test_keep_alive_reuses_one_connection_and_signs_every_request(scripted):
 
 
 def test_a_connection_idle_too_long_is_not_reused(scripted, monkeypatch):
-    import cachefs.async_get
-    monkeypatch.setattr(cachefs.async_get, "_IDLE_MAX_S", 0.2)
+    import cachefs.store.s3.http
+    monkeypatch.setattr(cachefs.store.s3.http, "_IDLE_MAX_S", 0.2)
     server = scripted(lambda n, req: ok(b"hello"))
     aget = getter(server)
 
@@ -378,7 +378,7 @@ def test_https_endpoint_verified_by_aws_ca_bundle(scripted, tmp_path, monkeypatc
 
 
 def test_nothing_listening_is_unreachable_after_the_retries():
-    from cachefs.local_s3 import free_port
+    from cachefs.demo.local_s3 import free_port
     metrics = Metrics()
     store = S3Store("bkt", "", metrics=metrics,
                     options=S3Options(endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=2))

@@ -12,13 +12,13 @@ import pytest
 import trio
 import trio.testing
 
-from cachefs.block_cache import BlockCache, FileVersion, Stream
-from cachefs.disk_tier import DiskTier
 from cachefs.errors import StoreError, Unreachable, VersionChanged
-from cachefs.memory_tier import MemoryTier
 from cachefs.metrics import Metrics
 from cachefs.store import ObjectStore
-from cachefs.store_fsspec import FsspecStore
+from cachefs.store.fsspec_store import FsspecStore
+from cachefs.tiers.cache import BlockCache, FileVersion, Stream
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.memory import MemoryTier
 
 BS = 64 << 10
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from mounts import cachefs
 
-from cachefs import daemon
+from cachefs import host
 from cachefs.cli import main
-from cachefs.daemon import find_mount
+from cachefs.demo.local_s3 import free_port, s3_client
 from cachefs.errors import ExitCode, FuseUnavailable
-from cachefs.local_s3 import free_port, s3_client
+from cachefs.host import find_mount
 
 pytestmark = pytest.mark.fuse
 
@@ -232,19 +232,19 @@ def _without(monkeypatch, missing: str) -> None:
 def test_check_fuse_without_dev_fuse(monkeypatch):
     _without(monkeypatch, "/dev/fuse")
     with pytest.raises(FuseUnavailable, match="/dev/fuse is missing") as info:
-        daemon.check_fuse()
+        host.check_fuse()
     assert info.value.exit_code == ExitCode.NO_FUSE == 7
 
 
 def test_check_fuse_with_an_inaccessible_device_or_no_fusermount(monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: path != "/dev/fuse")
     with pytest.raises(FuseUnavailable, match="not readable and writable"):
-        daemon.check_fuse()
+        host.check_fuse()
     monkeypatch.undo()
     monkeypatch.setattr(os, "getuid", lambda: 1000)
-    monkeypatch.setattr(daemon.shutil, "which", lambda name: None)
+    monkeypatch.setattr(host.shutil, "which", lambda name: None)
     with pytest.raises(FuseUnavailable, match="fusermount3 is missing"):
-        daemon.check_fuse()
+        host.check_fuse()
 
 
 def test_mount_without_dev_fuse_exits_7(monkeypatch, paths, capsys):

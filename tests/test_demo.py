@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
-
-from cachefs.demo import _sample
 from mounts import require_fuse
+
+from cachefs.demo.run import _sample
 
 pytestmark = pytest.mark.fuse
 

@@ -10,11 +10,11 @@ import pytest
 import trio
 import xxhash
 
-from cachefs import disk_tier
-from cachefs.block_key import BlockKey
-from cachefs.disk_tier import BlockHeader, DiskHealth, DiskTier
 from cachefs.errors import CacheDirError
 from cachefs.metrics import Metrics
+from cachefs.tiers import disk as disk_tier
+from cachefs.tiers.disk import BlockHeader, DiskHealth, DiskTier
+from cachefs.tiers.key import BlockKey
 
 BS = 64 << 10          # block size used by most tests
 CS = 4096              # chunk size used by most tests
@@ -358,7 +358,7 @@ def test_slow_inline_reads_move_cold_reads_to_threads(tmp_path, monkeypatch, cap
         close_handles(tier)
         for i in range(8):
             assert await tier.read_async(key(i), 0, 100) == blob(i)[:100]
-    caplog.set_level("INFO", logger="cachefs.disk_tier")
+    caplog.set_level("INFO", logger="cachefs.tiers.disk")
     serve(tier, body)
     # the moving average crosses 2 ms on the 3rd 10 ms read; the rest wait in threads
     assert where == ["trio"] * 3 + ["thread"] * 5
@@ -757,7 +757,7 @@ def test_unusable_cache_root_raises_cache_dir_error(tmp_path, layout):
 def test_unwritable_cache_dir_raises_cache_dir_error(tmp_path, monkeypatch):
     def read_only(*args):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr("cachefs.disk_tier._probe_dir", read_only)
+    monkeypatch.setattr("cachefs.tiers.disk._probe_dir", read_only)
     tier = make_tier(tmp_path)
     with pytest.raises(CacheDirError, match="Read-only file system"):
         trio.run(tier.run)

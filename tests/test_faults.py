@@ -10,10 +10,10 @@ import time
 from urllib.parse import urlparse
 
 import pytest
+from mounts import put_tree
 
 from benchmarks.latency_proxy import LatencyProxy
-from cachefs.local_s3 import s3_client
-from mounts import put_tree
+from cachefs.demo.local_s3 import s3_client
 
 pytestmark = [pytest.mark.fuse, pytest.mark.allow_warnings]
 

@@ -2,7 +2,7 @@
 
 import os
 
-from cachefs.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record
+from cachefs.writeback.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record
 
 
 def staged(journal: Journal, path: str, data: bytes, *, record: bool = True) -> Record:

@@ -15,15 +15,15 @@ import botocore.exceptions
 import pytest
 from botocore.config import Config
 
-REPO = Path(__file__).resolve().parent.parent
-
 from benchmarks.latency_proxy import (
     LatencyProxy,
     error_response,
     is_final_response,
     is_request_start,
 )
-from cachefs.local_s3 import LocalS3Server, local_credentials_env, make_bucket
+from cachefs.demo.local_s3 import LocalS3Server, local_credentials_env, make_bucket
+
+REPO = Path(__file__).resolve().parent.parent
 
 SMALL = b"s" * 1000
 MEDIUM = bytes(range(256)) * 1200          # 300 KiB

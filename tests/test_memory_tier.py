@@ -1,6 +1,6 @@
-from cachefs.block_key import BlockKey
-from cachefs.memory_tier import MemoryTier
 from cachefs.metrics import Metrics
+from cachefs.tiers.key import BlockKey
+from cachefs.tiers.memory import MemoryTier
 
 
 def key(i: int) -> BlockKey:

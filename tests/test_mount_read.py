@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mounts import put_tree
 
-from cachefs.local_s3 import s3_client
+from cachefs.demo.local_s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 
@@ -201,7 +201,7 @@ def test_kernel_tuning_applied(loaded, mount_factory):
     server, bucket, _, _ = loaded
     mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server, "--fuse-read-ahead-kb", "2048",
                                                        "--fuse-max-background", "48")).start()
-    from cachefs.daemon import find_mount
+    from cachefs.host import find_mount
     major, minor = find_mount(str(mnt.path))[0].split(":")
     assert Path(f"/sys/class/bdi/{major}:{minor}/read_ahead_kb").read_text().strip() == "2048"
     conn = os.makedev(int(major), int(minor))
@@ -262,7 +262,7 @@ def test_small_cached_files_are_preloaded_at_open(loaded, mount_factory):
     the reader gets the right bytes and the kernel sends no READ request for it."""
     import urllib.request
 
-    from cachefs.local_s3 import free_port
+    from cachefs.demo.local_s3 import free_port
     server, bucket, files, _ = loaded
     small = {p: d for p, d in files.items() if p.startswith("train/") and d}
     mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server)).start()

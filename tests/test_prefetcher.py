@@ -7,13 +7,13 @@ import pytest
 import trio
 from test_block_cache import BS, blob, bucket_mem, make_cache  # noqa: F401  (fixture)
 
-from cachefs.block_cache import FileVersion
-from cachefs.disk_tier import DiskTier
 from cachefs.metrics import Metrics
-from cachefs.prefetcher import Prefetcher
-from cachefs.segmented_lru import Entry, SegmentedLRU
-from cachefs.vfs import Vfs
-from cachefs.warm_job import WarmSpec, glob_regex, static_dir
+from cachefs.namespace.vfs import Vfs
+from cachefs.tiers.cache import FileVersion
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.slru import Entry, SegmentedLRU
+from cachefs.warm.engine import Prefetcher
+from cachefs.warm.job import WarmSpec, glob_regex, static_dir
 
 
 def run_with(bucket, tmp_path, body, *, capacity: int = 64 << 20):

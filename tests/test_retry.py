@@ -2,9 +2,9 @@ import logging
 
 import pytest
 
-from cachefs import retry
 from cachefs.metrics import Metrics
-from cachefs.retry import backoff_delay, call_with_retries
+from cachefs.store import retry
+from cachefs.store.retry import backoff_delay, call_with_retries
 
 
 class Transient(Exception):
@@ -76,7 +76,7 @@ def test_sleeps_are_jittered_and_bounded(no_sleep):
     call_with_retries(fn, op="get", is_temp_failure=is_transient, max_attempts=8, base_delay=0.1, max_delay=0.5)
     caps = [0.1, 0.2, 0.4, 0.5, 0.5, 0.5, 0.5]
     assert len(no_sleep) == 7
-    assert all(0.0 <= slept <= cap for slept, cap in zip(no_sleep, caps))
+    assert all(0.0 <= slept <= cap for slept, cap in zip(no_sleep, caps, strict=False))
 
 
 def test_backoff_delay_is_full_jitter():
@@ -87,8 +87,8 @@ def test_backoff_delay_is_full_jitter():
 
 
 def test_retries_log_debug_then_info_never_warning(caplog):
-    caplog.set_level(logging.DEBUG, logger="cachefs.retry")
+    caplog.set_level(logging.DEBUG, logger="cachefs.store.retry")
     fn = Flaky(*(Transient("x") for _ in range(4)))
     call_with_retries(fn, op="get", is_temp_failure=is_transient, max_attempts=5)
-    levels = [r.levelno for r in caplog.records if r.name == "cachefs.retry"]
+    levels = [r.levelno for r in caplog.records if r.name == "cachefs.store.retry"]
     assert levels == [logging.DEBUG, logging.DEBUG, logging.INFO, logging.INFO]

@@ -1,4 +1,4 @@
-"""cachefs.sigv4 signs exactly as botocore does (the reference), and reuses its signing key."""
+"""cachefs.store.s3.sigv4 signs exactly as botocore does (the reference), and reuses its signing key."""
 
 import time
 
@@ -7,7 +7,7 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from cachefs.sigv4 import Signer
+from cachefs.store.s3.sigv4 import Signer
 
 NOW = 1_795_000_000.0      # a fixed instant: 2026-11-18
 

@@ -9,7 +9,7 @@ import pytest
 from cachefs.errors import NoSuchBucket, NoSuchKey, VersionChanged
 from cachefs.metrics import Metrics
 from cachefs.store import open_store
-from cachefs.store_fsspec import FsspecStore, version_token
+from cachefs.store.fsspec_store import FsspecStore, version_token
 
 TREE = {"a.txt": b"hello world", "d/b.bin": bytes(range(256)) * 10, "d/e/c": b"c", "z": b""}
 

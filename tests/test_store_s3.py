@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ResponseStreamingError
 
+from cachefs.demo.local_s3 import free_port, s3_client
 from cachefs.errors import AccessDenied, BadResponse, NoSuchBucket, NoSuchKey, StoreError, Unreachable, VersionChanged
-from cachefs.local_s3 import free_port, s3_client
 from cachefs.metrics import Metrics
-from cachefs.store_s3 import S3Options, S3Store, ShortBody, is_temp_failure, map_error
+from cachefs.store.s3.store import S3Options, S3Store, ShortBody, is_temp_failure, map_error
 
 BLOCK = 64 * 1024
 
@@ -110,7 +110,7 @@ def test_listing_keeps_odd_keys_exact_and_same_as_boto3(s3_server, client, bucke
 
 
 def test_list_page_parser_reads_s3_xml_without_encoding():
-    from cachefs.signed_get import parse_list_page
+    from cachefs.store.s3.signed_get import parse_list_page
     body = b"""<?xml version="1.0" encoding="UTF-8"?>
 <ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name><Prefix>p/</Prefix>
 <KeyCount>2</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>
@@ -130,7 +130,7 @@ def test_list_page_parser_reads_s3_xml_without_encoding():
 def test_a_malformed_list_answer_is_an_error_not_an_empty_directory():
     import xml.etree.ElementTree as ET
 
-    from cachefs.signed_get import parse_list_page
+    from cachefs.store.s3.signed_get import parse_list_page
     with pytest.raises(ET.ParseError):
         parse_list_page(b"<ListBucketResult><Contents><Key>k</Key></Contents")     # cut short
     with pytest.raises(ValueError):
@@ -383,7 +383,7 @@ def test_connection_and_credential_errors_map():
 
 
 def test_local_server_stops_by_its_own_pid():
-    from cachefs.local_s3 import LocalS3Server
+    from cachefs.demo.local_s3 import LocalS3Server
     with LocalS3Server() as server:
         proc = server._proc
         s3_client(server.endpoint_url).list_buckets()

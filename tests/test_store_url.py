@@ -3,8 +3,8 @@ import pytest
 from cachefs.errors import ConfigError, ExitCode
 from cachefs.metrics import Metrics
 from cachefs.store import StoreURL, open_store, parse_url
-from cachefs.store_fsspec import FsspecStore
-from cachefs.store_s3 import S3Store
+from cachefs.store.fsspec_store import FsspecStore
+from cachefs.store.s3.store import S3Store
 
 
 @pytest.mark.parametrize("url, expected", [

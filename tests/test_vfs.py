@@ -11,13 +11,13 @@ import pytest
 import trio
 from test_block_cache import BS, MemoryBucket, make_cache
 
-from cachefs import vfs as vfs_module
-from cachefs.control import Control
+from cachefs.control.server import Control
 from cachefs.errors import Unreachable, VersionChanged
 from cachefs.fuse_ops import Operations
-from cachefs.listing_snapshot import ListingSnapshot
 from cachefs.metrics import Metrics
-from cachefs.vfs import ROOT_INODE, FsError, Vfs
+from cachefs.namespace import vfs as vfs_module
+from cachefs.namespace.snapshot import ListingSnapshot
+from cachefs.namespace.vfs import ROOT_INODE, FsError, Vfs
 
 TTL = 60.0
 BIG = random.Random(1).randbytes(3 * BS + 5)
@@ -27,7 +27,7 @@ TREE = {"a.txt": b"hello world", "d/b.bin": BIG, "d/e/c": b"c", "z": b""}
 # --- helpers ------------------------------------------------------------------------------------
 
 class Clock:
-    """Stands in for the ``time`` module inside cachefs.vfs."""
+    """Stands in for the ``time`` module inside cachefs.namespace.vfs."""
 
     def __init__(self) -> None:
         self.now = 1_700_000_000.0

@@ -13,7 +13,7 @@ import pytest
 from mounts import CACHEFS, cachefs, put_tree
 
 from benchmarks.latency_proxy import LatencyProxy
-from cachefs.local_s3 import s3_client
+from cachefs.demo.local_s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

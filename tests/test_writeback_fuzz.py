@@ -18,11 +18,17 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-from cachefs.control_client import request
-from cachefs.local_s3 import s3_client
+from cachefs.control.client import request
+from cachefs.demo.local_s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

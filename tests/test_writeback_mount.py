@@ -17,11 +17,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+from mounts import cachefs, put_tree
 
 from benchmarks.latency_proxy import LatencyProxy
-from cachefs.control_client import request
-from cachefs.local_s3 import s3_client
-from mounts import cachefs, put_tree
+from cachefs.control.client import request
+from cachefs.demo.local_s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

@@ -5,10 +5,10 @@ import time
 
 import trio
 
-from cachefs.journal import Journal
 from cachefs.metrics import Metrics
 from cachefs.store import ObjectInfo
-from cachefs.writeback import SyncPolicy, Writeback
+from cachefs.writeback.engine import SyncPolicy, Writeback
+from cachefs.writeback.journal import Journal
 
 
 class SlowStore:

@@ -4,13 +4,13 @@ delete, copy and directory markers, with the same error mapping as reads."""
 import random
 
 import pytest
-
-from cachefs.errors import NoSuchKey
-from cachefs.local_s3 import s3_client
-from cachefs.metrics import Metrics
-from cachefs.store_fsspec import FsspecStore
-from cachefs.store_s3 import S3Options, S3Store
 from test_block_cache import MemoryBucket
+
+from cachefs.demo.local_s3 import s3_client
+from cachefs.errors import NoSuchKey
+from cachefs.metrics import Metrics
+from cachefs.store.fsspec_store import FsspecStore
+from cachefs.store.s3.store import S3Options, S3Store
 
 MIB = 1 << 20
 
@@ -114,7 +114,7 @@ def test_puts_and_parts_carry_a_signed_sha256_of_the_body_not_md5(s3):
 
 
 def test_part_size_grows_so_no_upload_needs_more_than_10000_parts():
-    from cachefs.writeback import MAX_PARTS, part_size_for
+    from cachefs.writeback.engine import MAX_PARTS, part_size_for
     mib = 1 << 20
     assert part_size_for(100 * mib, 16 * mib) == 16 * mib
     assert part_size_for(20_000, 1000) == 1000                      # small configured parts stay

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from cachefs.config import parse_size
-from cachefs.control_client import request
+from cachefs.control.client import request
 from cachefs.errors import CachefsError, ExitCode, UsageError
 
 from .locate import Target, locate, one_mount

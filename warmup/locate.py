@@ -3,8 +3,9 @@
 import os
 from dataclasses import dataclass
 
-from cachefs.control_client import request
+from cachefs.control.client import request
 from cachefs.errors import CachefsError, NoDaemon, UsageError
+from cachefs.host import cachefs_mounts
 
 GLOB_CHARS = "*?["
 
@@ -14,26 +15,6 @@ class Target:
     mountpoint: str
     path: str           # relative to the mount root, "" for all of it
     is_glob: bool
-
-
-def cachefs_mounts() -> list[str]:
-    """Mountpoints of cachefs filesystems on this node, from /proc/self/mountinfo."""
-    try:
-        with open("/proc/self/mountinfo") as fh:
-            lines = fh.readlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        fields = line.split()
-        sep = fields.index("-")
-        if fields[sep + 1] == "fuse.cachefs":
-            found.append(_unescape(fields[4]))
-    return found
-
-
-def _unescape(field: str) -> str:
-    return field.encode().decode("unicode_escape") if "\\" in field else field
 
 
 def locate(dataset: str, base: Target | None = None) -> Target:
@@ -81,9 +62,9 @@ def _locate_url(url: str, is_glob: bool) -> Target:
             served = next(request(mnt, "status")).get("url", "").rstrip("/")
         except (CachefsError, StopIteration, OSError):
             continue
-        if served and (wanted == served or wanted.startswith(served + "/")):
-            if best is None or len(served) > len(best[1]):
-                best = (mnt, served)
+        serves = served and (wanted == served or wanted.startswith(served + "/"))
+        if serves and (best is None or len(served) > len(best[1])):
+            best = (mnt, served)
     if best is None:
         raise NoDaemon(f"no cachefs mount on this node serves {url}")
     return Target(best[0], wanted[len(best[1]):].strip("/"), is_glob)

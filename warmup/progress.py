@@ -2,7 +2,7 @@
 
 import sys
 
-from cachefs.status_view import size
+from cachefs.control.status_view import size
 
 
 def _duration(seconds: float | None) -> str:

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import trio
 
-from .block_key import BlockKey
-from .disk_tier import DiskTier
-from .errors import StoreError
-from .memory_tier import MemoryTier
-from .metrics import Metrics
-from .singleflight import SingleFlight
-from .store import ObjectStore
+from cachefs.errors import StoreError
+from cachefs.metrics import Metrics
+from cachefs.singleflight import SingleFlight
+from cachefs.store import ObjectStore
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.key import BlockKey
+from cachefs.tiers.memory import MemoryTier
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import time
 
 import xxhash
 
-from .config import parse_size
-from .control_client import request
-from .status_view import render, size
+from cachefs.config import parse_size
+from cachefs.control.client import request
+from cachefs.control.status_view import render, size
 
 BUCKET = "demo-datasets"
 PREFIX = "imagenet-mini"
@@ -50,8 +50,9 @@ def make_dataset(client, files: int, large_size: int) -> dict[str, str]:
         digests.update(pool.map(put, items))
     if large_size:
         data = _sample(random.Random(7), large_size)
-        from boto3.s3.transfer import TransferConfig
         import io
+
+        from boto3.s3.transfer import TransferConfig
         client.upload_fileobj(io.BytesIO(data), BUCKET, f"{PREFIX}/large/shard_0.bin",
                               Config=TransferConfig(multipart_chunksize=16 << 20, max_concurrency=8))
         digests["large/shard_0.bin"] = xxhash.xxh3_64_hexdigest(data)
@@ -106,7 +107,7 @@ class DemoMount:
 
 
 def run_demo(files: int = 2000, large_size: str = "256M", workdir: str | None = None) -> int:
-    from .local_s3 import LocalS3Server, local_credentials_env, make_bucket, s3_client
+    from cachefs.demo.local_s3 import LocalS3Server, local_credentials_env, make_bucket, s3_client
 
     os.environ.update({k: v for k, v in local_credentials_env().items() if k not in os.environ})
     own_workdir = workdir is None

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import trio
 from prometheus_client import Counter, Gauge, Histogram
 
-from .errors import CacheDirError, StoreError
-from .journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record
-from .metrics import Metrics
-from .singleflight import SingleFlight
-from .store import ObjectInfo, ObjectStore
+from cachefs.errors import CacheDirError, StoreError
+from cachefs.metrics import Metrics
+from cachefs.singleflight import SingleFlight
+from cachefs.store import ObjectInfo, ObjectStore
+from cachefs.writeback.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class StagedFile:
         self.ready = False           # the record is written: uploads may start
         self.urgent = False
         self.deleted = False
-        self.uploading: "_Job | None" = None
+        self.uploading: _Job | None = None
         self.failures = 0
         self.next_try = 0.0
         self.last_error = ""

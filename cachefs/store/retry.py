@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import trio
 
-from .metrics import Metrics
+from cachefs.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

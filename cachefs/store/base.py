@@ -1,4 +1,4 @@
-"""The object-store interface and the factory that turns a URL into a store.
+"""The object-store interface: what the tiers, the namespace and write-back ask of a store.
 
 Every method but ``get_async`` is blocking: the trio thread calls them through
 ``trio.to_thread.run_sync`` under a ``CapacityLimiter``. Paths are relative to
@@ -6,16 +6,13 @@ the mount root (the URL's prefix), "/"-separated, never with a leading "/".
 Directory paths passed to ``list_dir`` are "" (the root) or end with "/".
 """
 
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import fsspec
 import trio
 
-from .errors import ConfigError, StoreError
-from .metrics import Metrics
+from cachefs.errors import StoreError
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,67 +108,5 @@ class ObjectStore(ABC):
         """Remove the marker of directory ``path`` (missing is fine)."""
         raise StoreError(f"{self.identity}: this store is read-only")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional: stores that hold no connections need nothing)
         """Release connections."""
-
-
-# --- URLs and the store factory -------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class StoreURL:
-    """A parsed store URL. For ``s3://`` ``bucket`` is the bucket; for other
-    schemes it is the URL's host part (often "" as in ``file:///data``).
-    ``prefix`` is the mount root inside it: no leading or trailing "/"."""
-
-    scheme: str
-    bucket: str
-    prefix: str
-
-    def __str__(self) -> str:
-        tail = f"/{self.prefix}" if self.prefix else ""
-        return f"{self.scheme}://{self.bucket}{tail}"
-
-
-_SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.-]*$")
-_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_SIGNED_RE = re.compile(r"(?i)[?&](x-amz-(credential|signature|security-token)|awsaccesskeyid|signature)=")
-
-
-def parse_url(url: str) -> StoreURL:
-    """Split ``scheme://bucket/prefix``; raise ConfigError (one line) if malformed."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or not _SCHEME_RE.match(scheme.lower()):
-        shown = "(not shown: it may carry credentials)" if "@" in url else repr(url)
-        raise ConfigError(f"not a store URL (expected scheme://bucket/prefix): {shown}")
-    netloc, _, path = rest.partition("/")
-    if "@" in netloc or _SIGNED_RE.search(rest):
-        raise ConfigError(f"{scheme}:// URL must not carry credentials; use the environment or a credentials file")
-    parsed = StoreURL(scheme.lower(), netloc, path.strip("/"))
-    _check_parsed(parsed, url)
-    return parsed
-
-
-def _check_parsed(parsed: StoreURL, url: str) -> None:
-    if parsed.scheme == "s3" and not _BUCKET_RE.match(parsed.bucket):
-        raise ConfigError(f"s3 URL needs a bucket name (s3://bucket/prefix): {url!r}")
-    if not parsed.bucket and not parsed.prefix:
-        raise ConfigError(f"store URL names no location: {url!r}")
-    if parsed.scheme != "s3" and parsed.scheme not in fsspec.available_protocols():
-        raise ConfigError(f"unknown store URL scheme {parsed.scheme!r}: {url!r}")
-    if any(part in (".", "..") for part in parsed.prefix.split("/")):
-        raise ConfigError(f"store URL prefix must not contain '.' or '..': {url!r}")
-
-
-def open_store(url: str, *, metrics: Metrics, endpoint_url: str | None = None, region: str | None = None,
-               profile: str | None = None, max_connections: int = 64, connect_timeout: float = 5.0,
-               read_timeout: float = 30.0, max_attempts: int = 5, lean_requests: bool = True) -> ObjectStore:
-    """The store for ``url``: S3Store for ``s3://``, FsspecStore for any other fsspec scheme."""
-    parsed = parse_url(url)
-    if parsed.scheme == "s3":
-        from .store_s3 import S3Options, S3Store
-        options = S3Options(endpoint_url=endpoint_url, region=region, profile=profile,
-                            max_connections=max_connections, connect_timeout=connect_timeout,
-                            read_timeout=read_timeout, max_attempts=max_attempts, lean_requests=lean_requests)
-        return S3Store(parsed.bucket, parsed.prefix, metrics=metrics, options=options)
-    from .store_fsspec import FsspecStore
-    return FsspecStore(url, metrics=metrics, max_attempts=max_attempts)

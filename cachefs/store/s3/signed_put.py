@@ -23,7 +23,7 @@ from botocore import exceptions as bx
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 
-from .signed_get import SignedGetter, error_of
+from cachefs.store.s3.signed_get import SignedGetter, error_of
 
 
 class _PresignedPayload(S3SigV4Auth):

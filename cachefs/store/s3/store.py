@@ -13,6 +13,7 @@ pinned one means the server ignored If-Match; a short body is retried.
 """
 
 import base64
+import contextlib
 import hashlib
 import re
 import time
@@ -25,8 +26,7 @@ import botocore.exceptions as bx
 import trio
 from botocore.config import Config
 
-from .async_get import AsyncGetter
-from .errors import (
+from cachefs.errors import (
     AccessDenied,
     BadResponse,
     ConfigError,
@@ -36,11 +36,12 @@ from .errors import (
     Unreachable,
     VersionChanged,
 )
-from .metrics import Metrics
-from .retry import call_with_retries, call_with_retries_async
-from .signed_get import SignedGetter
-from .signed_put import SignedPutter
-from .store import Listing, ObjectInfo, ObjectStore
+from cachefs.metrics import Metrics
+from cachefs.store.base import Listing, ObjectInfo, ObjectStore
+from cachefs.store.retry import call_with_retries, call_with_retries_async
+from cachefs.store.s3.http import AsyncGetter
+from cachefs.store.s3.signed_get import SignedGetter
+from cachefs.store.s3.signed_put import SignedPutter
 
 _TEMP_CODES = frozenset({"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "InternalError",
                          "ServiceUnavailable", "TooManyRequests", "RequestLimitExceeded",
@@ -484,10 +485,8 @@ class S3Store(ObjectStore):
 
     def delete(self, path: str) -> None:
         key = self._root + path
-        try:
+        with contextlib.suppress(NoSuchKey):
             self._simple("delete", key, "delete_object", Bucket=self.bucket, Key=key)
-        except NoSuchKey:
-            pass
 
     def copy(self, src: str, dst: str) -> ObjectInfo:
         key = self._root + dst

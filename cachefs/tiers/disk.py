@@ -59,12 +59,12 @@ from typing import NamedTuple
 import trio
 import xxhash
 
-from .block_key import BlockKey
-from .errors import CacheDirError, CorruptBlock
-from .metrics import Metrics
-from .pin_set import PinSet
-from .segmented_lru import Entry as _Entry
-from .segmented_lru import SegmentedLRU as _SegmentedLRU
+from cachefs.errors import CacheDirError, CorruptBlock
+from cachefs.metrics import Metrics
+from cachefs.tiers.key import BlockKey
+from cachefs.tiers.pins import PinSet
+from cachefs.tiers.slru import Entry as _Entry
+from cachefs.tiers.slru import SegmentedLRU as _SegmentedLRU
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from urllib.parse import urlsplit
 import trio
 from botocore import exceptions as bx
 
-from .signed_get import error_of, object_path
-from .sigv4 import Signer
+from cachefs.store.s3.signed_get import error_of, object_path
+from cachefs.store.s3.sigv4 import Signer
 
 _MAX_HEAD = 64 << 10         # status line and headers
 _RECV = 256 << 10            # largest single receive

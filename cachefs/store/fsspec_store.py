@@ -6,6 +6,7 @@ is the ETag when the backend reports one, else built from mtime, size and inode;
 moved, so a read never returns bytes of another version than the one pinned.
 """
 
+import contextlib
 import posixpath
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from .errors import (
+from cachefs.errors import (
     AccessDenied,
     BadResponse,
     ConfigError,
@@ -26,9 +27,10 @@ from .errors import (
     Unreachable,
     VersionChanged,
 )
-from .metrics import Metrics
-from .retry import call_with_retries
-from .store import Listing, ObjectInfo, ObjectStore, parse_url
+from cachefs.metrics import Metrics
+from cachefs.store.base import Listing, ObjectInfo, ObjectStore
+from cachefs.store.retry import call_with_retries
+from cachefs.store.url import parse_url
 
 T = TypeVar("T")
 
@@ -213,10 +215,8 @@ class FsspecStore(ObjectStore):
             self._uploads.pop(upload_id, None)
 
     def delete(self, path: str) -> None:
-        try:
+        with contextlib.suppress(NoSuchKey):
             self._call("delete", path, lambda: self._fs.rm_file(self._full(path)))
-        except NoSuchKey:
-            pass
 
     def copy(self, src: str, dst: str) -> ObjectInfo:
         self._call("copy", dst, lambda: self._fs.copy(self._full(src), self._full(dst)))

@@ -16,19 +16,18 @@ from dataclasses import dataclass
 
 import trio
 
-from .block_cache import BlockCache, FileVersion, Stream
-from .errors import CachefsError, NoSuchKey, StoreError
-from .journal import DELETE, MKDIR, RMDIR
-from .listing_snapshot import ListingSnapshot
-from .singleflight import SingleFlight
-from .store import Listing, ObjectInfo, ObjectStore
-from .writeback import StagedFile, Writeback
+from cachefs.errors import CachefsError, NoSuchKey, StoreError
+from cachefs.namespace.snapshot import ListingSnapshot
+from cachefs.singleflight import SingleFlight
+from cachefs.store import Listing, ObjectInfo, ObjectStore
+from cachefs.tiers.cache import BlockCache, FileVersion, Stream
+from cachefs.writeback.engine import StagedFile, Writeback
+from cachefs.writeback.journal import DELETE, MKDIR, RMDIR
 
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
 CONTROL_INODE = 2
-CONTROL_NAME = ".cachefs-control"
 _FIRST_INODE = 16
 OUTAGE_RETRY = 5.0      # seconds between revalidation attempts while the store is failing
 RENAME_NOREPLACE = 1
@@ -201,7 +200,7 @@ class Vfs:
         if self.wb is None:
             return
         prefix = dir_prefix(path)
-        for (is_dir, target), op in self.wb.ops.items():
+        for (_is_dir, target), op in self.wb.ops.items():
             parent, name = split(target)
             if parent == path:
                 if op.record.kind == DELETE:

@@ -41,6 +41,7 @@ the counter: the engine (one trio thread) owns the index and calls these blockin
 functions from worker threads.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -108,10 +109,8 @@ class Journal:
         return os.open(self.data_path(ident), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
     def remove_data(self, ident: int) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.data_path(ident))
-        except FileNotFoundError:
-            pass
 
     def sync_data(self, fd: int) -> None:
         os.fsync(fd)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 import trio
 
-from .errors import CachefsError
+from cachefs.errors import CachefsError
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ Plain synchronous code: only the trio thread touches it (invariant 6).
 
 from collections import OrderedDict
 
-from .block_key import BlockKey
-from .metrics import Metrics
+from cachefs.metrics import Metrics
+from cachefs.tiers.key import BlockKey
 
 _TIER = "memory"
 

@@ -12,9 +12,9 @@ import posixpath
 import time
 from collections import OrderedDict
 
-from .block_cache import FileVersion
-from .errors import CachefsError
-from .warm_job import WarmSpec
+from cachefs.errors import CachefsError
+from cachefs.tiers.cache import FileVersion
+from cachefs.warm.job import WarmSpec
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import logging
 import sqlite3
 from pathlib import Path
 
-from .store import Listing, ObjectInfo
+from cachefs.store import Listing, ObjectInfo
 
 log = logging.getLogger(__name__)
 

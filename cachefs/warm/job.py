@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .block_cache import FileVersion
-from .store import ObjectInfo
+from cachefs.store import ObjectInfo
+from cachefs.tiers.cache import FileVersion
 
 MAX_FAILURES_SHOWN = 100
 

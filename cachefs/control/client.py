@@ -5,8 +5,8 @@ import json
 import os
 from collections.abc import Iterator
 
-from .errors import NoDaemon
-from .vfs import CONTROL_NAME
+from cachefs.control.protocol import CONTROL_NAME
+from cachefs.errors import NoDaemon
 
 
 def request(mountpoint: str, command: str, **args) -> Iterator[dict]:

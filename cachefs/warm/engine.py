@@ -31,13 +31,13 @@ from collections.abc import AsyncIterator, Callable
 import trio
 from prometheus_client import Counter, Gauge
 
-from .block_cache import BlockCache, FileVersion
-from .disk_tier import DiskTier
-from .errors import NoSuchKey, StoreError, UsageError, VersionChanged
-from .metrics import Metrics
-from .store import ObjectInfo
-from .vfs import Vfs, dir_prefix, split
-from .warm_job import Bandwidth, FileWork, WarmJob, WarmSpec, glob_regex, static_dir
+from cachefs.errors import NoSuchKey, StoreError, UsageError, VersionChanged
+from cachefs.metrics import Metrics
+from cachefs.namespace.vfs import Vfs, dir_prefix, split
+from cachefs.store import ObjectInfo
+from cachefs.tiers.cache import BlockCache, FileVersion
+from cachefs.tiers.disk import DiskTier
+from cachefs.warm.job import Bandwidth, FileWork, WarmJob, WarmSpec, glob_regex, static_dir
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Prefetcher:
         self._metrics = WarmupMetrics(metrics, self)
         self.watcher = None
         if prefetch_dataset and immutable:
-            from .dataset_watch import DatasetWatcher
+            from cachefs.warm.dataset_watch import DatasetWatcher
             budget = prefetch_budget or disk.capacity // 2
             self.watcher = DatasetWatcher(self, budget)
             blocks.on_first_read = self.watcher.on_first_read

@@ -1,0 +1,161 @@
+"""Start a daemon, wait until it is ready, stop it: used by the CLI and by ``csi/``.
+
+A daemon is ``python -m cachefs _daemon READY_FD`` in its own session. Its config arrives as
+JSON on stdin (never argv: it may name a credentials profile, and argv is world-readable); it
+answers on the ready pipe with one line: ``OK`` once the kernel mount answers, or
+``ERR <exit code> <message>`` when start-up fails (it then leaves nothing mounted).
+"""
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from cachefs.config import MountConfig, build_config, to_dict
+from cachefs.errors import CacheDirError, CachefsError, ExitCode, MountpointError, StartTimeout
+from cachefs.host import find_mount
+
+log = logging.getLogger("cachefs")
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    pid: int
+    log_path: str
+
+
+class StartFailed(CachefsError):
+    """The daemon reported a start-up error; ``exit_code`` is the daemon's own."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def start(cfg: MountConfig, *, env: dict[str, str] | None = None) -> Started:
+    """Start a daemon for ``cfg`` in its own session and return once it is ready.
+
+    ``env`` replaces the daemon's environment (the CSI driver passes credentials this way);
+    raises StartFailed, StartTimeout or CachefsError, leaving nothing mounted."""
+    try:
+        os.makedirs(os.path.dirname(cfg.log_path), exist_ok=True)
+        logfile = open(cfg.log_path, "ab")  # noqa: SIM115  (handed to the child, closed below)
+    except OSError as exc:
+        raise CacheDirError(f"cannot open log file {cfg.log_path}: {exc.strerror}") from None
+    ready_r, ready_w = os.pipe()
+    child = subprocess.Popen([sys.executable, "-m", "cachefs", "_daemon", str(ready_w)],
+                             stdin=subprocess.PIPE, stdout=logfile, stderr=logfile, pass_fds=(ready_w,),
+                             start_new_session=True, close_fds=True, env=env)
+    os.close(ready_w)
+    logfile.close()
+    child.stdin.write(json.dumps(to_dict(cfg)).encode())
+    child.stdin.close()
+    line = _read_ready(ready_r, child, cfg.ready_timeout)
+    if line.startswith("OK"):
+        return Started(child.pid, cfg.log_path)
+    if line.startswith("ERR "):
+        code, _, message = line[4:].partition(" ")
+        raise StartFailed(message, int(code))
+    raise CachefsError(f"the daemon exited (status {child.returncode}) before the mount was ready; "
+                       f"see {cfg.log_path}")
+
+
+def _read_ready(fd: int, child: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    data = b""
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while b"\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                child.kill()
+                child.wait()
+                raise StartTimeout(f"the daemon was not ready within {timeout:.0f} s; it was stopped")
+            if select.select([pipe], [], [], min(left, 0.5))[0]:
+                chunk = pipe.read(4096)
+                if not chunk:
+                    child.wait()
+                    break
+                data += chunk
+    return data.decode(errors="replace").strip()
+
+
+def run_daemon(ready_fd: int) -> int:
+    """The daemon process's side of ``start``: config on stdin, one ready line on ``ready_fd``."""
+    ready = os.fdopen(ready_fd, "w")
+    try:
+        cfg = build_config(json.loads(sys.stdin.read()))
+        setup_logging(cfg, to_stderr=False)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        from cachefs.daemon import serve
+
+        def on_ready() -> None:
+            ready.write("OK\n")
+            ready.close()
+
+        serve(cfg, on_ready)
+        return 0
+    except CachefsError as exc:
+        log.error("%s", exc)
+        _report(ready, f"ERR {exc.exit_code} {exc}")
+        return exc.exit_code
+    except BaseException:
+        log.exception("daemon failed")
+        _report(ready, f"ERR {ExitCode.INTERNAL} internal error; see the log")
+        raise
+
+
+def _report(ready, line: str) -> None:
+    if not ready.closed:
+        ready.write(line + "\n")
+        ready.close()
+
+
+def setup_logging(cfg: MountConfig, *, to_stderr: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr) if to_stderr else logging.FileHandler(cfg.log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(cfg.log_level.upper())
+    # botocore's debug log carries Authorization headers: never below WARNING, even at debug.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "pyfuse3", "fsspec"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+# ---- stop ----------------------------------------------------------------------------------------
+def unmount(mountpoint: str, *, lazy: bool = False) -> None:
+    """fusermount3 -u (-z); MountpointError with fusermount's reason when it refuses."""
+    command = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"
+        raise MountpointError(f"cannot unmount {mountpoint}: {reason}"
+                              + ("" if lazy else " (close open files, or use --lazy)"))
+
+
+def is_cachefs_mount(mountpoint: str) -> bool:
+    entry = find_mount(mountpoint)
+    return entry is not None and entry[1].startswith("fuse")
+
+
+def wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process_alive(pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie: the daemon is another session's child, and whoever reaps it
+    (init, a container's pid 1) may take a while; it has finished once it is a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
