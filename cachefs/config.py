@@ -124,6 +124,9 @@ class MountConfig:
     # ---- write-back (docs/writeback.md) ----
     read_only: bool = field(default=False, metadata={
         "help": "refuse every write with EROFS (an --immutable mount is always read-only)"})
+    allow_empty_prefix: bool = field(default=False, metadata={
+        "help": "mount a read-only prefix that holds no objects (refused by default as a likely typo; a "
+                "writable mount of an empty prefix, such as a new output prefix, always works)"})
     staging_dir: str | None = field(default=None, metadata={
         "help": "write-back journal directory (default CACHE_DIR/staging); dirty data lives here"})
     staging_size: int = field(default=20 << 30, metadata={

@@ -20,7 +20,7 @@ import trio
 from cachefs import __version__
 from cachefs.config import MountConfig
 from cachefs.control.server import Control
-from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError
+from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError, NoSuchKey
 from cachefs.fuse_ops import Operations
 from cachefs.host import CacheDirLock, check_fuse, check_mountpoint, tune_kernel, tune_malloc
 from cachefs.metrics import Exporter, Metrics
@@ -129,7 +129,7 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
                            profile=cfg.profile, max_connections=cfg.max_connections,
                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                            max_attempts=cfg.max_attempts, lean_requests=cfg.lean_requests)
-        store.check()
+        check_store(store, cfg)
         daemon = Daemon(cfg, store, metrics)
         try:
             trio.run(_serve, daemon, on_ready)
@@ -138,6 +138,18 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
         store.close()
     finally:
         lock.close()
+
+
+def check_store(store: ObjectStore, cfg: MountConfig) -> None:
+    """The bucket must exist and answer. An empty prefix is a new output prefix for a writable mount
+    (a training job's logs and checkpoints); for a read-only one it is most likely a typo."""
+    try:
+        store.check()
+    except NoSuchKey as exc:
+        if not cfg.writable and not cfg.allow_empty_prefix:
+            raise NoSuchKey(f"{exc}; a read-only mount of an empty prefix is refused as a likely typo "
+                            f"(--allow-empty-prefix mounts it anyway)") from None
+        log.info("%s: mounting an empty prefix", exc)
 
 
 def _startup_error(group: BaseExceptionGroup) -> BaseException:

@@ -138,8 +138,9 @@ def test_missing_bucket(paths, s3_server):
     expect_error(result, ExitCode.NOT_FOUND, "no-such-bucket-cachefs")
 
 
-def test_missing_prefix(paths, s3_server, bucket):
-    result = run_mount(f"s3://{bucket}/nope", *paths, "--endpoint-url", s3_server.endpoint_url)
+def test_missing_prefix_of_a_read_only_mount(paths, s3_server, bucket):
+    # A writable mount of an empty prefix works (a new output prefix: tests/test_empty_prefix.py).
+    result = run_mount(f"s3://{bucket}/nope", *paths, "--endpoint-url", s3_server.endpoint_url, "--read-only")
     expect_error(result, ExitCode.NOT_FOUND, "nope")
 
 
