@@ -1,0 +1,38 @@
+"""Opening a packed dataset's index from a store (the mount, the packer) or a local directory
+(the loader)."""
+
+from pathlib import Path
+
+from cachefs.errors import NoSuchKey
+from cachefs.packfmt.errors import CorruptIndex
+from cachefs.packfmt.index import PackedIndex
+from cachefs.packfmt.manifest import MANIFEST, Manifest, read_manifest
+from cachefs.store.base import ObjectStore
+
+
+def read_object(store: ObjectStore, path: str) -> bytes:
+    info = store.head(path)
+    return store.get(path, 0, info.size, info.etag, info.size)
+
+
+def open_index(store: ObjectStore) -> tuple[Manifest, PackedIndex]:
+    """The manifest and validated index of the packed dataset at the store's root."""
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise NoSuchKey(f"{store.identity}: no {MANIFEST}: not a packed dataset")
+    try:
+        files, shards = read_object(store, manifest.index_files), read_object(store, manifest.index_shards)
+    except NoSuchKey as exc:
+        raise CorruptIndex(f"the manifest names an index file that is missing: {exc}") from exc
+    return manifest, PackedIndex.from_parquet(files, shards)
+
+
+def open_local_index(root: str | Path) -> tuple[Manifest, PackedIndex]:
+    """The same from a directory (a local copy or a cachefs mount of the packed dataset)."""
+    root = Path(root)
+    try:
+        manifest = Manifest.from_json((root / MANIFEST).read_bytes(), str(root / MANIFEST))
+        files, shards = (root / manifest.index_files).read_bytes(), (root / manifest.index_shards).read_bytes()
+    except FileNotFoundError as exc:
+        raise NoSuchKey(f"{exc.filename}: missing: not a complete packed dataset") from exc
+    return manifest, PackedIndex.from_parquet(files, shards)
