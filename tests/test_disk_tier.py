@@ -12,8 +12,9 @@ import xxhash
 
 from cachefs.errors import CacheDirError
 from cachefs.metrics import Metrics
-from cachefs.tiers import disk as disk_tier
 from cachefs.tiers.disk import BlockHeader, DiskHealth, DiskTier
+from cachefs.tiers.disk import format as block_format
+from cachefs.tiers.disk import reader as disk_reader
 from cachefs.tiers.key import BlockKey
 
 BS = 64 << 10          # block size used by most tests
@@ -61,8 +62,8 @@ def disk_bytes(root: Path) -> int:
 
 
 def close_handles(tier: DiskTier) -> None:
-    while tier._handles:
-        os.close(tier._handles.popitem()[1].fd)
+    while tier.reader.handles:
+        os.close(tier.reader.handles.popitem()[1].fd)
 
 
 def patch_file(path: Path, offset: int, data: bytes) -> None:
@@ -149,7 +150,7 @@ def test_read_preads_only_the_chunks_it_covers(tmp_path):
     def pread(fd, n, offset):
         calls.append((n, offset))
         return os.pread(fd, n, offset)
-    tier._pread = pread
+    tier.reader.pread = pread
 
     async def body():
         assert await tier.fill(key(3), data)
@@ -172,7 +173,7 @@ def test_read_preads_only_the_chunks_it_covers(tmp_path):
 
 def test_hot_block_keeps_its_file_open(tmp_path, monkeypatch):
     tier = make_tier(tmp_path)
-    tier._max_open = 4
+    tier.reader.max_open = 4
     opened = []
     real_open = os.open
     monkeypatch.setattr(os, "open", lambda p, *a, **kw: opened.append(str(p)) or real_open(p, *a, **kw))
@@ -186,13 +187,13 @@ def test_hot_block_keeps_its_file_open(tmp_path, monkeypatch):
         assert len(opened) == 1
         for i in range(10):
             tier.read(key(i), 0, 100)
-        assert len(tier._handles) == 4
-        fds = [h.fd for h in tier._handles.values()]
+        assert len(tier.reader.handles) == 4
+        fds = [h.fd for h in tier.reader.handles.values()]
         tier.discard(key(9))
         with pytest.raises(OSError):
             os.fstat(fds[-1])
     serve(tier, body)
-    assert tier._handles == {}
+    assert tier.reader.handles == {}
 
 
 # --- corruption ---------------------------------------------------------------------------
@@ -288,9 +289,9 @@ def force_cold(monkeypatch) -> list[str]:
         raise BlockingIOError(errno.EAGAIN, "not resident")
 
     def recording(name):
-        real = getattr(disk_tier, name)
+        real = getattr(block_format, name)
 
-        def read(*args):                  # _open_and_read calls _read_opened: count the outer one
+        def read(*args):                  # open_and_read calls read_opened: count the outer one
             if not getattr(depth, "n", 0):
                 where.append("trio" if threading.get_ident() == main else "thread")
             depth.n = getattr(depth, "n", 0) + 1
@@ -298,17 +299,17 @@ def force_cold(monkeypatch) -> list[str]:
                 return real(*args)
             finally:
                 depth.n -= 1
-        monkeypatch.setattr(disk_tier, name, read)
+        monkeypatch.setattr(block_format, name, read)
 
-    monkeypatch.setattr(disk_tier, "_read_resident", not_resident)
-    for name in ("_read_dup", "_read_opened", "_open_and_read"):
+    monkeypatch.setattr(block_format, "read_resident", not_resident)
+    for name in ("read_dup", "read_opened", "open_and_read"):
         recording(name)
     return where
 
 
 def test_small_cold_reads_run_on_the_trio_thread_large_ones_in_threads(tmp_path, monkeypatch):
     tier = make_tier(tmp_path)
-    small, large = blob(1, 6 * CS), blob(2, disk_tier._INLINE_MAX + 2 * CS)
+    small, large = blob(1, 6 * CS), blob(2, disk_reader.INLINE_MAX + 2 * CS)
     where = force_cold(monkeypatch)
 
     async def body():
@@ -318,9 +319,9 @@ def test_small_cold_reads_run_on_the_trio_thread_large_ones_in_threads(tmp_path,
         assert await tier.read_async(key(1), 4 * CS, 2 * CS) == small[4 * CS:]    # cached fd (a dup)
         assert await tier.read_async(key(2), 0, len(large)) == large               # too large: thread
         assert where == ["trio", "trio", "thread"]
-        assert key(1).digest() in tier._handles and key(2).digest() in tier._handles
+        assert key(1).digest() in tier.reader.handles and key(2).digest() in tier.reader.handles
     serve(tier, body)
-    assert tier._handles == {}
+    assert tier.reader.handles == {}
 
 
 @pytest.mark.parametrize("warm", [False, True])
@@ -345,12 +346,12 @@ def test_inline_cold_read_of_a_corrupt_block_drops_it(tmp_path, monkeypatch, war
 def test_slow_inline_reads_move_cold_reads_to_threads(tmp_path, monkeypatch, caplog):
     tier = make_tier(tmp_path)
     where = force_cold(monkeypatch)
-    recorded = disk_tier._read_opened
+    recorded = block_format.read_opened
 
     def slow(*args):
         time.sleep(0.01)               # a disk that takes 10 ms per small read
         return recorded(*args)
-    monkeypatch.setattr(disk_tier, "_read_opened", slow)
+    monkeypatch.setattr(block_format, "read_opened", slow)
 
     async def body():
         for i in range(8):
@@ -363,7 +364,7 @@ def test_slow_inline_reads_move_cold_reads_to_threads(tmp_path, monkeypatch, cap
     # the moving average crosses 2 ms on the 3rd 10 ms read; the rest wait in threads
     assert where == ["trio"] * 3 + ["thread"] * 5
     assert "reading in threads" in caplog.text
-    assert tier._inline_off_until > time.monotonic()
+    assert tier.reader.inline_off_until > time.monotonic()
 
 
 # --- capacity and eviction ----------------------------------------------------------------
@@ -431,8 +432,8 @@ def test_free_space_watermark(tmp_path):
     def statvfs(path):
         free = fs["base"] - disk_bytes(tmp_path)
         return SimpleNamespace(f_frsize=4096, f_blocks=100 * mib // 4096, f_bavail=free // 4096)
-    tier._statvfs = statvfs
-    tier._fs_ttl = 0.0
+    tier.space.statvfs = statvfs
+    tier.space.fs_ttl = 0.0
     block = 1 << 20
 
     async def body():
@@ -456,7 +457,7 @@ def test_free_space_watermark(tmp_path):
 def test_free_space_is_sampled_at_most_once_per_ttl(tmp_path):
     tier = make_tier(tmp_path)
     calls = []
-    tier._statvfs = lambda p: calls.append(p) or os.statvfs(p)
+    tier.space.statvfs = lambda p: calls.append(p) or os.statvfs(p)
 
     async def body():
         for i in range(20):
@@ -614,7 +615,7 @@ def test_discard_removes_block_and_cancels_inflight_fill(tmp_path):
 def test_fill_workers_run_in_threads_and_wait_for_old_unlinks(tmp_path, monkeypatch):
     tier = make_tier(tmp_path, fill_workers=2)
     threads = set()
-    real_write, real_unlink = tier._write_file, disk_tier._unlink_paths
+    real_write, real_unlink = tier._write_file, block_format.unlink_paths
 
     def write(*args):
         threads.add(threading.get_ident())
@@ -625,7 +626,7 @@ def test_fill_workers_run_in_threads_and_wait_for_old_unlinks(tmp_path, monkeypa
         if paths:
             time.sleep(0.2)
         return real_unlink(paths)
-    monkeypatch.setattr(disk_tier, "_unlink_paths", slow_unlink)
+    monkeypatch.setattr(block_format, "unlink_paths", slow_unlink)
 
     async def body():
         for i in range(8):
@@ -658,18 +659,18 @@ def test_disk_errors_make_the_tier_unstable_then_down_then_it_recovers(tmp_path)
     async def body():
         for i in range(12):
             assert await tier.fill(key(i), blob(i))
-        real_pread = tier._pread
-        tier._pread = counting_failure
+        real_pread = tier.reader.pread
+        tier.reader.pread = counting_failure
         for i in range(3):
             assert tier.read(key(i), 0, 10) is None
         assert tier.stats()["health"] == "unstable"
         assert metric(tier, "cachefs_disk_health") == 1
         assert not tier.start_fill(key(50), blob(50))                  # no new fills
         assert metric(tier, "cachefs_dropped_fills_total", tier="disk", reason="unhealthy") == 1
-        tier._pread = real_pread
+        tier.reader.pread = real_pread
         assert tier.read(key(3), 0, 10) == blob(3)[:10]               # reads still served
         close_handles(tier)
-        tier._pread = counting_failure
+        tier.reader.pread = counting_failure
         for i in range(4, 11):
             assert tier.read(key(i), 0, 10) is None
         assert tier.stats()["health"] == "down"
@@ -677,7 +678,7 @@ def test_disk_errors_make_the_tier_unstable_then_down_then_it_recovers(tmp_path)
         calls.clear()
         assert tier.read(key(11), 0, 10) is None                      # bypassed: no I/O at all
         assert calls == [] and not tier.contains(key(11)) and tier.block_length(key(11)) is None
-        tier._pread = real_pread
+        tier.reader.pread = real_pread
         with trio.fail_after(5):
             while tier.stats()["health"] != "healthy":
                 await trio.sleep(0.05)
@@ -697,11 +698,11 @@ def test_failed_probe_keeps_the_tier_down(tmp_path):
         assert not await tier.fill(key(1), blob(1))
         assert not await tier.fill(key(2), blob(2))
         assert tier.stats()["health"] == "down"
-        tier._probe = _failing
+        tier.watch.probe = _failing
         await trio.sleep(0.5)
         assert tier.stats()["health"] == "down"
         assert metric(tier, "cachefs_disk_errors_total", op="probe") >= 1
-        tier._probe = lambda *a: None
+        tier.watch.probe = lambda *a: None
         with trio.fail_after(5):
             while tier.stats()["health"] != "healthy":
                 await trio.sleep(0.05)
@@ -757,7 +758,7 @@ def test_unusable_cache_root_raises_cache_dir_error(tmp_path, layout):
 def test_unwritable_cache_dir_raises_cache_dir_error(tmp_path, monkeypatch):
     def read_only(*args):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr("cachefs.tiers.disk._probe_dir", read_only)
+    monkeypatch.setattr("cachefs.tiers.disk.health.probe_dir_writable", read_only)
     tier = make_tier(tmp_path)
     with pytest.raises(CacheDirError, match="Read-only file system"):
         trio.run(tier.run)

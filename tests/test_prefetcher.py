@@ -11,7 +11,7 @@ from cachefs.metrics import Metrics
 from cachefs.namespace.vfs import Vfs
 from cachefs.tiers.cache import FileVersion
 from cachefs.tiers.disk import DiskTier
-from cachefs.tiers.slru import Entry, SegmentedLRU
+from cachefs.tiers.disk.index import Entry, SegmentedLRU
 from cachefs.warm.engine import Prefetcher
 from cachefs.warm.job import WarmSpec, glob_regex, static_dir
 

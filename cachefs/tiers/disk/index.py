@@ -1,9 +1,42 @@
-"""The disk tier's index: a scan-resistant segmented LRU of block files, with held entries.
+"""The disk tier's index and layout: which block files exist, where they live, which to evict.
 
-Plain synchronous code owned by the trio thread (DESIGN invariant 6). Keys are block digests.
+Layout under the tier's ``root``::
+
+    blocks/<digest[:2]>/<digest>     one file per block, in the format of ``format.BlockHeader``
+    tmp/<digest>.<random>.tmp        fills being written; whatever is left here at start is removed
+
+The index is a scan-resistant segmented LRU of block files, with held entries. Plain
+synchronous code owned by the trio thread (DESIGN invariant 6). Keys are block digests.
+``prepare_root`` (blocking, a worker thread at start) lists what a rebuild indexes.
 """
 
+from __future__ import annotations
+
+import os
+import re
 from collections import OrderedDict
+from pathlib import Path
+
+from cachefs.tiers.disk import health
+
+_DIGEST_NAME = re.compile(r"[0-9a-f]{40}")
+
+
+class Layout:
+    """The paths of one tier's files (the one place they are derived)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.blocks = self.root / "blocks"
+        self.tmp = self.root / "tmp"
+        self._blocks_str = str(self.blocks)
+
+    def block_path(self, digest: str) -> Path:
+        return self.blocks / digest[:2] / digest
+
+    def block_file(self, digest: str) -> str:
+        """``block_path`` as a string, cheaply (the read path builds one per cold open)."""
+        return f"{self._blocks_str}/{digest[:2]}/{digest}"
 
 
 class Entry:
@@ -109,3 +142,30 @@ class SegmentedLRU:
 
     def is_held(self, digest: str) -> bool:
         return digest in self._holds
+
+
+def prepare_root(root: Path, fsync: bool) -> tuple[int, list[tuple[int, str, int]]]:
+    """Create the layout, prove it writable, remove stale temp files and list the blocks
+    as (mtime_ns, digest, size), oldest first. Stat only: blocks are verified on read."""
+    blocks, tmp = root / "blocks", root / "tmp"
+    for path in (root, blocks, tmp):
+        path.mkdir(parents=True, exist_ok=True)
+    for i in range(256):
+        (blocks / f"{i:02x}").mkdir(exist_ok=True)
+    removed = 0
+    with os.scandir(tmp) as entries:
+        for entry in entries:
+            os.unlink(entry.path)
+            removed += 1
+    health.probe_dir_writable(tmp, fsync)
+    found = []
+    for i in range(256):
+        prefix = f"{i:02x}"
+        with os.scandir(blocks / prefix) as entries:
+            for entry in entries:
+                if _DIGEST_NAME.fullmatch(entry.name) and entry.name.startswith(prefix) \
+                        and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, entry.name, st.st_size))
+    found.sort()
+    return removed, found

@@ -1,0 +1,269 @@
+"""One block file of the disk tier: its header, its checksums, and the blocking reads and writes of it.
+
+Plain functions of paths, fds and bytes; they touch no shared structure, so the worker threads
+(and the trio thread, for inline reads) may call them. The tier decides which thread runs them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import xxhash
+
+from cachefs.errors import CorruptBlock
+
+HEADER_ALIGN = 4096
+_MAX_CHUNKS = 1 << 20
+_xxh = xxhash.xxh3_64_intdigest
+
+Pread = Callable[[int, int, int], bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """The header of a block file (format version 1); all integers little-endian.
+
+    ========  ======  =========================================================
+    offset    size    field
+    ========  ======  =========================================================
+    0         4       magic ``b"CFSB"``
+    4         2       format version (1)
+    6         2       reserved, 0
+    8         8       data length in bytes
+    16        4       chunk size (every chunk but the last is this long)
+    20        4       number of chunks n = ceil(data length / chunk size)
+    24        8*n     xxh3_64 of each chunk of data
+    24+8n     8       xxh3_64 of header bytes [0, 24+8n)
+    32+8n     pad     zeros up to ``length``, the next multiple of 4 KiB
+    length    data    the block's bytes
+    ========  ======  =========================================================
+
+    A file is valid only if its size is exactly ``length + data_len``.
+    """
+
+    data_len: int
+    chunk_size: int
+    digests: tuple[int, ...]
+    length: int
+
+    MAGIC = b"CFSB"
+    VERSION = 1
+    _FIXED = struct.Struct("<4sHHQII")
+
+    @classmethod
+    def length_for(cls, data_len: int, chunk_size: int) -> int:
+        chunks = -(-data_len // chunk_size)
+        return round_up(cls._FIXED.size + 8 * chunks + 8, HEADER_ALIGN)
+
+    @classmethod
+    def file_size(cls, data_len: int, chunk_size: int) -> int:
+        return cls.length_for(data_len, chunk_size) + data_len
+
+    @classmethod
+    def encode(cls, data: bytes, chunk_size: int) -> bytes:
+        view = memoryview(data)
+        digests = [_xxh(view[i:i + chunk_size]) for i in range(0, len(data), chunk_size)]
+        body = cls._FIXED.pack(cls.MAGIC, cls.VERSION, 0, len(data), chunk_size, len(digests))
+        body += struct.pack(f"<{len(digests)}Q", *digests)
+        body += struct.pack("<Q", _xxh(body))
+        return body.ljust(cls.length_for(len(data), chunk_size), b"\0")
+
+    @classmethod
+    def peek_length(cls, buf: bytes) -> int:
+        """The header length announced by the fixed fields at the start of ``buf``."""
+        if len(buf) < cls._FIXED.size:
+            raise CorruptBlock(f"truncated header ({len(buf)} bytes)")
+        magic, version, _, data_len, chunk_size, chunks = cls._FIXED.unpack_from(buf)
+        if magic != cls.MAGIC or version != cls.VERSION:
+            raise CorruptBlock(f"bad magic or version {magic!r} {version}")
+        if chunk_size == 0 or chunks > _MAX_CHUNKS or chunks != -(-data_len // chunk_size):
+            raise CorruptBlock(f"inconsistent header: {data_len} bytes, {chunks} x {chunk_size}")
+        return cls.length_for(data_len, chunk_size)
+
+    @classmethod
+    def parse(cls, buf: bytes) -> BlockHeader:
+        """Parse and verify the header at the start of ``buf`` (which may hold more bytes)."""
+        length = cls.peek_length(buf)
+        _, _, _, data_len, chunk_size, chunks = cls._FIXED.unpack_from(buf)
+        end = cls._FIXED.size + 8 * chunks
+        if len(buf) < end + 8:
+            raise CorruptBlock(f"truncated header ({len(buf)} bytes)")
+        (stored,) = struct.unpack_from("<Q", buf, end)
+        if _xxh(memoryview(buf)[:end]) != stored:
+            raise CorruptBlock("header checksum mismatch")
+        digests = struct.unpack_from(f"<{chunks}Q", buf, cls._FIXED.size)
+        return cls(data_len, chunk_size, digests, length)
+
+    def verify(self, first_chunk: int, data: memoryview) -> None:
+        """Check ``data``, which holds whole chunks starting at ``first_chunk``."""
+        size = self.chunk_size
+        for i in range(0, len(data), size):
+            index = first_chunk + i // size
+            if _xxh(data[i:i + size]) != self.digests[index]:
+                raise CorruptBlock(f"chunk {index} checksum mismatch")
+
+
+class OpenBlock(NamedTuple):
+    """An open block file and its verified header (the tier caches these for hot blocks)."""
+    fd: int
+    header: BlockHeader
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# --- reads ---------------------------------------------------------------------------------
+
+_scratch = bytearray(0)     # reused by pread_nowait: only the trio thread calls it
+
+
+def pread_nowait(fd: int, size: int, offset: int) -> bytes:
+    """pread that raises BlockingIOError unless every byte is in the page cache.
+
+    Reads into a reused buffer (a fresh bytearray costs a zero-fill and page faults per call)
+    and returns one copy."""
+    global _scratch
+    if len(_scratch) < size:
+        _scratch = bytearray(size)
+    view = memoryview(_scratch)[:size]
+    if os.preadv(fd, [view], offset, os.RWF_NOWAIT) != size:
+        raise BlockingIOError(errno.EAGAIN, "partly resident")   # or truncated: the thread decides
+    return bytes(view)
+
+
+def pread_willneed(fd: int, size: int, offset: int) -> bytes:
+    """pread for a first open: also asks the kernel to read the whole file ahead, so the rest
+    of the block is resident (and served inline) when the reader gets there."""
+    if offset == 0:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    return os.pread(fd, size, offset)
+
+
+def open_block(path: str, want: int, pread: Pread) -> tuple[int, BlockHeader, bytes]:
+    """Open a block file and parse its header (reading ``want`` data bytes along with it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)     # FileNotFoundError: the caller decides
+    try:
+        header, buf = parse_block(fd, want, pread)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, header, buf
+
+
+def parse_block(fd: int, want: int, pread: Pread) -> tuple[BlockHeader, bytes]:
+    """The header of an open block file (and ``want`` data bytes read along with it)."""
+    file_size = os.fstat(fd).st_size
+    buf = pread(fd, HEADER_ALIGN + want, 0)
+    length = BlockHeader.peek_length(buf)
+    if length > HEADER_ALIGN:
+        buf = pread(fd, length + want, 0)
+    header = BlockHeader.parse(buf)
+    if file_size != header.length + header.data_len:
+        raise CorruptBlock(f"file has {file_size} bytes, header says {header.length + header.data_len}")
+    return header, buf
+
+
+def read_range(fd: int, header: BlockHeader, offset: int, size: int, prefix: bytes | None,
+               pread: Pread) -> bytes:
+    """Bytes [offset, offset+size) of the block's data, every chunk they touch verified."""
+    end = min(offset + size, header.data_len)
+    if offset >= end:
+        return b""
+    first, cs = offset // header.chunk_size, header.chunk_size
+    lo, hi = first * cs, min(round_up(end, cs), header.data_len)
+    if prefix is not None and len(prefix) >= header.length + hi:
+        raw = memoryview(prefix)[header.length + lo:header.length + hi]
+    else:
+        raw = pread(fd, hi - lo, header.length + lo)
+        if len(raw) != hi - lo:
+            raise CorruptBlock(f"truncated: read {len(raw)} of {hi - lo} bytes at {lo}")
+    header.verify(first, memoryview(raw))
+    if lo == offset and hi == end and isinstance(raw, bytes):
+        return raw
+    return bytes(memoryview(raw)[offset - lo:end - lo])
+
+
+def read_resident(opened: OpenBlock, offset: int, size: int) -> bytes:
+    """A range of an open block read inline, only if all its pages are in the page cache."""
+    return read_range(opened.fd, opened.header, offset, size, None, pread_nowait)
+
+
+def read_dup(fd: int, header: BlockHeader, offset: int, size: int) -> bytes:
+    """Worker thread: read a range through a dup of a cached fd, then close the dup."""
+    try:
+        return read_range(fd, header, offset, size, None, os.pread)
+    finally:
+        os.close(fd)
+
+
+def open_and_read(path: str, want: int, offset: int, size: int) -> tuple[int, BlockHeader, bytes]:
+    """Worker thread: open, parse and read a range of one block file (FileNotFoundError if gone)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    return read_opened(fd, want, offset, size)
+
+
+def read_opened(fd: int, want: int, offset: int, size: int) -> tuple[int, BlockHeader, bytes]:
+    """Parse a just-opened block file and read a range of it; ``fd`` is closed on failure."""
+    try:
+        header, prefix = parse_block(fd, want, os.pread)
+        return fd, header, read_range(fd, header, offset, size, prefix, os.pread)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# --- writes --------------------------------------------------------------------------------
+
+def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, chunk_size: int,
+                     fsync: bool) -> list[OSError]:
+    """Unlink the evicted files, then write ``data`` crash-safely as ``final``.
+
+    Returns the unlink errors (missing files are not errors); raises OSError if the write fails.
+    """
+    errors = unlink_paths(doomed)
+    header = BlockHeader.encode(data, chunk_size)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            written = os.writev(fd, [header, data])
+            if written < len(header) + len(data):    # a short writev (rare): finish the rest
+                write_all(fd, (header + data)[written:])
+            if fsync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        # No directory fsync: a rename lost in a crash is only a cache miss. The data is durable
+        # before the rename, so a block file that exists never holds unwritten bytes.
+        os.rename(tmp, final)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return errors
+
+
+def unlink_paths(paths: list[Path]) -> list[OSError]:
+    errors = []
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            errors.append(exc)
+    return errors
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

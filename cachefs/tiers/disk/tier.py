@@ -1,0 +1,410 @@
+"""The disk tier: checksummed block files on the local NVMe, bounded in size.
+
+The facade over the parts in this package (see ``cachefs/tiers/README.md`` for the concurrency
+and crash protocol): ``format`` (one block file), ``index`` (which files exist: a segmented
+LRU; the layout), ``space`` (capacity, watermark, eviction), ``health`` (fencing a failing
+disk), ``reader`` (the read policy). This module owns the fill queue, unlinks, holds and pins.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from cachefs.errors import CacheDirError, CorruptBlock
+from cachefs.metrics import Metrics
+from cachefs.tiers.disk import format as fmt
+from cachefs.tiers.disk import index as layout
+from cachefs.tiers.disk.format import BlockHeader
+from cachefs.tiers.disk.health import DiskHealth, HealthWatch
+from cachefs.tiers.disk.index import Entry, Layout, SegmentedLRU
+from cachefs.tiers.disk.reader import BlockReader
+from cachefs.tiers.disk.space import Room, Space
+from cachefs.tiers.key import BlockKey
+from cachefs.tiers.pins import PinSet
+
+log = logging.getLogger(__name__)
+
+_TIER = "disk"
+
+
+@dataclass(eq=False)
+class _FillJob:
+    digest: str
+    data: bytes
+    done: trio.Event = field(default_factory=trio.Event)
+    ok: bool = False
+    cancelled: bool = False
+    low: bool = False         # a warm fill: its own writer threads, outside the fill queue's budget
+
+
+class DiskTier:
+    """Block files under ``root``, at most ``capacity`` bytes (headers included)."""
+
+    def __init__(self, root: Path, *, capacity: int, free_space_ratio: float, metrics: Metrics,
+                 fsync: bool = True, fill_workers: int = 4, max_pending_fill_bytes: int = 256 << 20,
+                 chunk_size: int = 128 << 10, health: DiskHealth | None = None,
+                 warm_workers: int = 8) -> None:
+        self.layout = Layout(root)
+        self.root = self.layout.root
+        self._metrics = metrics
+        self._fsync = fsync
+        self._fill_workers = fill_workers
+        self._max_pending = max_pending_fill_bytes
+        self._chunk_size = chunk_size
+        self._health = health or DiskHealth()
+        self._index = SegmentedLRU(int(capacity * 0.8))
+        self.space = Space(self._index, self.root, capacity=capacity, free_space_ratio=free_space_ratio,
+                           evict=self._evict)
+        self.reader = BlockReader(self._index, self.layout, self._health, metrics, chunk_size=chunk_size,
+                                  drop=self._drop_bad)
+        self._pending_bytes = 0                   # data held by queued or running fills
+        self._inflight: dict[str, _FillJob] = {}
+        self._unlinking: dict[str, trio.Event] = {}
+        self._limiter = trio.CapacityLimiter(fill_workers)
+        self._warm_limiter = trio.CapacityLimiter(max(warm_workers, fill_workers))   # warm writers
+        self.watch = HealthWatch(self._health, metrics, self.root, self.layout.tmp, fsync=fsync,
+                                 limiter=self._limiter)
+        self.pins = PinSet(self.root / "pins")
+        self._fill_send, self._fill_recv = trio.open_memory_channel[_FillJob](math.inf)
+        self._nursery: trio.Nursery | None = None
+        self._write_file = fmt.write_block_file       # a seam for tests: a blocking call that can fail
+        metrics.tier_capacity_bytes.labels(_TIER).set(capacity)
+        self._update_gauges()
+
+    @property
+    def capacity(self) -> int:
+        return self.space.capacity
+
+    # -- lifecycle --
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await self._rebuild()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._shrink_to_capacity()
+                while self._unlinking:             # start within capacity
+                    await trio.sleep(0.005)
+                for _ in range(self._fill_workers):
+                    nursery.start_soon(self._fill_worker, self._fill_recv.clone())
+                nursery.start_soon(self.watch.run)
+                task_status.started()
+        finally:
+            self._nursery = None
+            self.reader.close_all()
+
+    async def _rebuild(self) -> None:
+        """Index the block files found on disk (stat only) and the persisted pins."""
+        try:
+            removed, found = await trio.to_thread.run_sync(layout.prepare_root, self.root, self._fsync)
+        except OSError as exc:
+            raise CacheDirError(f"cannot use cache dir {self.root}: {exc.strerror or exc}") from exc
+        if removed:
+            log.info("removed %d stale temp files from %s", removed, self.layout.tmp)
+        pins = await trio.to_thread.run_sync(self.pins.load)
+        for digests in pins.values():
+            for digest in digests:
+                self._index.hold(digest)
+        for _, digest, size in found:
+            self._index.add(digest, Entry(size, None))
+        log.info("disk tier %s: %d blocks, %d bytes", self.root, len(self._index), self._index.bytes)
+
+    async def wait_idle(self) -> None:
+        """Return once no fill is queued or running and no unlink is pending."""
+        while self._inflight or self._unlinking:
+            await trio.sleep(0.005)
+
+    # -- reads (the policy lives in reader.py) --
+
+    def read(self, key: BlockKey, offset: int, size: int) -> bytes | None:
+        """Bytes [offset, min(offset+size, block length)) of a cached block, verified; None on a miss."""
+        return self.reader.read(key.digest(), offset, size)
+
+    async def read_async(self, key: BlockKey, offset: int, size: int) -> bytes | None:
+        """``read`` that never lets a slow disk stall the trio thread (see ``BlockReader``)."""
+        return await self.reader.read_async(key.digest(), offset, size)
+
+    async def readahead(self, key: BlockKey) -> None:
+        """Have the kernel read a cached block's file ahead (a sequential reader will want it)."""
+        await self.reader.readahead(key.digest())
+
+    def block_length(self, key: BlockKey) -> int | None:
+        """Data length of a cached block (reads its header once after a restart); None if absent."""
+        return self.reader.block_length(key.digest())
+
+    def filling(self, key: BlockKey) -> bool:
+        """A fill of this block is queued or being written."""
+        return key.digest() in self._inflight
+
+    def contains(self, key: BlockKey) -> bool:
+        return self.contains_digest(key.digest())
+
+    def contains_digest(self, digest: str) -> bool:
+        return self._health.state != DiskHealth.DOWN and digest in self._index
+
+    # -- fills --
+
+    def start_fill(self, key: BlockKey, data: bytes) -> bool:
+        """Queue ``data`` to be written; False (counted) when the fill is dropped instead."""
+        digest = key.digest()
+        if self._already_there(digest):
+            return True
+        reason = self._refusal(len(data))
+        if reason is None and self._pending_bytes + len(data) > self._max_pending:
+            reason = "queue_full"
+        if reason is not None:
+            self._metrics.dropped_fills.labels(_TIER, reason).inc()
+            return False
+        self._fill_send.send_nowait(self._register(digest, data))
+        return True
+
+    async def fill(self, key: BlockKey, data: bytes) -> bool:
+        """Write ``data`` now and wait; True when the block is cached."""
+        return await self._fill_now(key, data, low=False)
+
+    async def warm(self, key: BlockKey, data: bytes) -> bool:
+        """Write a warmup's block and wait (back-pressure instead of a drop); True when cached.
+
+        Uses its own writer threads, and stays out of the foreground fill queue's byte budget,
+        so a warmup never makes a reader's fill be dropped as queue_full."""
+        return await self._fill_now(key, data, low=True)
+
+    async def _fill_now(self, key: BlockKey, data: bytes, *, low: bool) -> bool:
+        digest = key.digest()
+        if self._already_there(digest):
+            job = self._inflight.get(digest)
+            if job is not None:
+                await job.done.wait()
+                return job.ok
+            return True
+        reason = self._refusal(len(data))
+        if reason is not None:
+            self._metrics.dropped_fills.labels(_TIER, reason).inc()
+            return False
+        job = self._register(digest, data, low=low)
+        await self._store(job)
+        return job.ok
+
+    def discard(self, key: BlockKey) -> None:
+        digest = key.digest()
+        job = self._inflight.get(digest)
+        if job is not None:
+            job.cancelled = True
+        self._drop(digest)
+
+    def _already_there(self, digest: str) -> bool:
+        job = self._inflight.get(digest)
+        if job is not None:
+            job.cancelled = False      # same key, same bytes: a discarded fill is wanted again
+            return True
+        return digest in self._index
+
+    def _refusal(self, data_len: int) -> str | None:
+        if self._health.state != DiskHealth.HEALTHY:
+            return "unhealthy"
+        if self.file_size(data_len) > self.capacity:
+            return "no_space"
+        return None
+
+    def _register(self, digest: str, data: bytes, low: bool = False) -> _FillJob:
+        job = self._inflight[digest] = _FillJob(digest, bytes(data), low=low)
+        if not low:
+            self._pending_bytes += len(job.data)
+        return job
+
+    async def _fill_worker(self, recv: trio.MemoryReceiveChannel[_FillJob]) -> None:
+        async with recv:
+            async for job in recv:
+                await self._store(job)
+
+    async def _store(self, job: _FillJob) -> None:
+        try:
+            job.ok = await self._write(job)
+        finally:
+            del self._inflight[job.digest]
+            if not job.low:
+                self._pending_bytes -= len(job.data)
+            job.done.set()
+
+    async def _write(self, job: _FillJob) -> bool:
+        unlinking = self._unlinking.get(job.digest)
+        if unlinking is not None:
+            await unlinking.wait()
+        if job.cancelled:
+            return False
+        room = self._room_for(len(job.data))
+        if room is None:
+            return False
+        gone = trio.Event()
+        for digest in room.doomed:
+            self._unlinking[digest] = gone
+        tmp = self.layout.tmp / f"{job.digest}.{secrets.token_hex(4)}.tmp"
+        written = False
+        try:
+            errors = await trio.to_thread.run_sync(
+                self._write_file, [self.layout.block_path(d) for d in room.doomed], tmp,
+                self.layout.block_path(job.digest), job.data, self._chunk_size, self._fsync,
+                limiter=self._warm_limiter if job.low else self._limiter)
+            written = True
+        except OSError as exc:
+            self._write_failed(exc)
+            return False
+        finally:
+            self._release(room, written)
+            gone.set()
+        for exc in errors:
+            self.watch.io_error("unlink", exc)
+        if job.cancelled:
+            self._schedule_unlink(job.digest, room.size)
+            return False
+        self._index.add(job.digest, Entry(room.size, len(job.data)))
+        self._update_gauges()
+        return True
+
+    def _room_for(self, data_len: int) -> Room | None:
+        """Reserve room for a block file, or count why the fill is dropped and return None."""
+        reason = "unhealthy"
+        if self._health.state == DiskHealth.HEALTHY:
+            try:
+                room = self.space.reserve(self.file_size(data_len))
+            except OSError as exc:
+                self.watch.io_error("statvfs", exc)
+                room, reason = None, "error"
+            else:
+                reason = "no_space"
+            if room is not None:
+                return room
+        self._metrics.dropped_fills.labels(_TIER, reason).inc()
+        return None
+
+    def _release(self, room: Room, written: bool) -> None:
+        """Return a reservation once its thread is done (evicted files unlinked by then)."""
+        self.space.release(room, written)
+        for digest in room.doomed:
+            del self._unlinking[digest]
+        self._update_gauges()
+
+    def _write_failed(self, exc: OSError) -> None:
+        if exc.errno == errno.ENOSPC:
+            self._metrics.disk_errors.labels("write").inc()
+            self._metrics.dropped_fills.labels(_TIER, "no_space").inc()
+            self.space.disk_full()
+            log.info("cache disk %s is full: %s", self.root, exc)
+            return
+        self.watch.io_error("write", exc)
+        self._metrics.dropped_fills.labels(_TIER, "error").inc()
+
+    # -- dropping blocks --
+
+    def _evict(self, digest: str) -> int:
+        entry = self._forget(digest)
+        self._metrics.evictions.labels(_TIER).inc()
+        self._metrics.evicted_bytes.labels(_TIER).inc(entry.size)
+        return entry.size
+
+    def _shrink_to_capacity(self) -> None:
+        for digest, size in self.space.over_capacity():
+            self._schedule_unlink(digest, size)
+        self._update_gauges()
+
+    def _forget(self, digest: str) -> Entry | None:
+        self.reader.close(digest)
+        return self._index.remove(digest)
+
+    def _drop(self, digest: str) -> None:
+        entry = self._forget(digest)
+        if entry is not None:
+            self._schedule_unlink(digest, entry.size)
+            self._update_gauges()
+
+    def _drop_bad(self, digest: str, exc: Exception) -> None:
+        """A read found ``digest`` corrupt (CorruptBlock) or failing (OSError): drop it."""
+        if isinstance(exc, CorruptBlock):
+            if digest in self._index:
+                log.info("dropping corrupt disk block %s: %s", digest, exc)
+                self._metrics.corrupt_blocks.inc()
+                self._drop(digest)
+            return
+        self.watch.io_error("read", exc)
+        self._drop(digest)
+
+    def _schedule_unlink(self, digest: str, size: int) -> None:
+        """Unlink a block file that left the index; its bytes stay reserved until it is gone."""
+        path = self.layout.block_path(digest)
+        if self._nursery is None:          # not running: nothing can race with us
+            fmt.unlink_paths([path])
+            return
+        done = self._unlinking[digest] = trio.Event()
+        self.space.unlink_started(size)
+        self._nursery.start_soon(self._unlink, digest, path, size, done)
+
+    async def _unlink(self, digest: str, path: Path, size: int, done: trio.Event) -> None:
+        try:
+            errors = await trio.to_thread.run_sync(fmt.unlink_paths, [path], limiter=self._limiter)
+        finally:
+            del self._unlinking[digest]
+            self.space.unlink_done(size)
+            self._update_gauges()
+            done.set()
+        for exc in errors:
+            self.watch.io_error("unlink", exc)
+
+    # -- holds and pins (a running warm job's blocks; named datasets) --
+
+    def hold(self, digests: Iterable[str]) -> None:
+        """Keep these blocks from eviction (a running warmup's own blocks) until ``release``."""
+        for digest in digests:
+            self._index.hold(digest)
+
+    def release(self, digests: Iterable[str]) -> None:
+        for digest in digests:
+            self._index.release(digest)
+
+    def pin(self, name: str, digests: set[str]) -> None:
+        """Hold ``digests`` under ``name`` until ``unpin(name)``, across restarts."""
+        self.unpin(name)
+        self.pins.add(name, digests)
+        self.hold(digests)
+
+    def unpin(self, name: str) -> bool:
+        if name not in self.pins.pins:
+            return False
+        self.release(self.pins.remove(name))
+        return True
+
+    def pinned(self) -> dict[str, int]:
+        """Blocks pinned per name."""
+        return {name: len(digests) for name, digests in self.pins.pins.items()}
+
+    # -- space and status --
+
+    def file_size(self, data_len: int) -> int:
+        """Bytes a block of ``data_len`` bytes takes in the tier (header included)."""
+        return BlockHeader.file_size(data_len, self._chunk_size)
+
+    def room(self) -> dict:
+        """What a warmup may fill (see ``Space.room``)."""
+        return self.space.room()
+
+    def _update_gauges(self) -> None:
+        self._metrics.tier_used_bytes.labels(_TIER).set(self.space.used)
+        self._metrics.tier_blocks.labels(_TIER).set(len(self._index))
+
+    def stats(self) -> dict:
+        return {
+            "used_bytes": self.space.used,
+            "capacity": self.capacity,
+            "blocks": len(self._index),
+            "protected_bytes": self._index.protected_bytes,
+            "held_bytes": self._index.held_bytes,
+            "pending_fill_bytes": self._pending_bytes,
+            "health": self._health.name,
+        }
