@@ -108,7 +108,7 @@ class Daemon:
         yield self.status()
 
     async def _sync_command(self, args: dict) -> AsyncIterator[dict]:
-        from cachefs.writeback.engine import sync_command
+        from cachefs.writeback.commands import sync_command
         async for reply in sync_command(self.writeback, args):
             yield reply
 

@@ -62,7 +62,7 @@ def _describe(ops: "Operations", args: tuple) -> str:
     target = args[0] if args else None
     if isinstance(target, int):
         handle = ops.vfs.handles.get(target)
-        node = handle.node if handle else ops.vfs._nodes.get(target)
+        node = handle.node if handle else ops.vfs.find_node(target)
         if node is not None:
             return f" {node.path or '/'!r}"
     return ""
@@ -146,11 +146,11 @@ class Operations(pyfuse3.Operations):
         data.f_bsize = data.f_frsize = 4096
         data.f_blocks = 1 << 40
         data.f_bfree = data.f_bavail = 0
-        wb = self.vfs.wb
-        if wb is not None:      # writable: the room left in the staging area
-            data.f_blocks = wb.staging_size // data.f_frsize
-            data.f_bfree = data.f_bavail = max(0, wb.staging_size - wb.staged_bytes) // data.f_frsize
-        data.f_files = len(self.vfs._nodes)
+        stats = self.vfs.statfs()
+        if stats.capacity is not None:      # writable: the room left in the staging area
+            data.f_blocks = stats.capacity // data.f_frsize
+            data.f_bfree = data.f_bavail = stats.free // data.f_frsize
+        data.f_files = stats.inodes
         data.f_ffree = data.f_favail = 0
         data.f_namemax = 1024
         return data
@@ -175,7 +175,7 @@ class Operations(pyfuse3.Operations):
     @_operation("open")
     async def open(self, inode, flags, ctx):
         if inode == CONTROL_INODE:
-            return pyfuse3.FileInfo(fh=self.control.open(), direct_io=True, nonseekable=True)
+            return pyfuse3.FileInfo(fh=self.control.open(ctx), direct_io=True, nonseekable=True)
         handle, keep_cache = await self.vfs.open(inode, flags)
         if not keep_cache and not flags & (os.O_WRONLY | os.O_RDWR):
             data = await self.vfs.preload(handle)
@@ -259,7 +259,7 @@ class Operations(pyfuse3.Operations):
         raise FsError(self._refusal(), "hard links are not supported")
 
     def _refusal(self) -> int:
-        return errno.EROFS if self.vfs.wb is None else errno.EPERM
+        return errno.EPERM if self.vfs.writable else errno.EROFS
 
 
 class _TimingCache(dict):

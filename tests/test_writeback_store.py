@@ -114,7 +114,7 @@ def test_puts_and_parts_carry_a_signed_sha256_of_the_body_not_md5(s3):
 
 
 def test_part_size_grows_so_no_upload_needs_more_than_10000_parts():
-    from cachefs.writeback.engine import MAX_PARTS, part_size_for
+    from cachefs.writeback.policy import MAX_PARTS, part_size_for
     mib = 1 << 20
     assert part_size_for(100 * mib, 16 * mib) == 16 * mib
     assert part_size_for(20_000, 1000) == 1000                      # small configured parts stay

@@ -1,10 +1,11 @@
 """The namespace: directories from prefixes, files from objects, inodes and handles.
 
 Kernel-free: ``fuse_ops`` turns these calls into FUSE replies. All state here is
-owned by the trio thread; store calls run in worker threads. Listings are
-cached in memory and in the on-disk ``ListingSnapshot``; they are fresh for
-``metadata_ttl`` seconds (forever when the dataset is immutable). Lookup counts
-follow the kernel: +1 per lookup reply and per readdirplus entry, -n on forget.
+owned by the trio thread; store calls run in worker threads. Listings come from a
+``DirSource`` (the store by default) and are cached in memory and in the on-disk
+``ListingSnapshot``; they are fresh for ``metadata_ttl`` seconds (forever when the
+dataset is immutable). The write-back is asked only what is staged (``staged``,
+``overlay``, ``space``); ``nodes``, ``dirs`` and ``handles`` hold the plain data.
 """
 
 import errno
@@ -16,118 +17,44 @@ from dataclasses import dataclass
 
 import trio
 
-from cachefs.errors import CachefsError, NoSuchKey, StoreError
+from cachefs.control.protocol import CONTROL_NAME
+from cachefs.errors import NoSuchKey, StoreError
+from cachefs.namespace.dirs import DirHandle, DirSource, DirState, dir_prefix, join, split
+from cachefs.namespace.handles import Handle
+from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, Node, NodeTable
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.singleflight import SingleFlight
 from cachefs.store import Listing, ObjectInfo, ObjectStore
-from cachefs.tiers.cache import BlockCache, FileVersion, Stream
-from cachefs.writeback.engine import StagedFile, Writeback
-from cachefs.writeback.journal import DELETE, MKDIR, RMDIR
+from cachefs.tiers.cache import BlockCache, FileVersion
+from cachefs.writeback.engine import Writeback
+from cachefs.writeback.overlay import staged_info
+from cachefs.writeback.staged import StagedFile
+
+__all__ = ["CONTROL_INODE", "CONTROL_NAME", "ROOT_INODE", "DirState", "FsError", "FsStats", "Handle", "Node",
+           "Vfs", "dir_prefix", "join", "split"]
 
 log = logging.getLogger(__name__)
 
-ROOT_INODE = 1
-CONTROL_INODE = 2
-_FIRST_INODE = 16
 OUTAGE_RETRY = 5.0      # seconds between revalidation attempts while the store is failing
 RENAME_NOREPLACE = 1
 
 
-class FsError(CachefsError):
-    """A POSIX error for one operation (ENOENT, ENOTDIR, EROFS, ...)."""
+@dataclass(frozen=True, slots=True)
+class FsStats:
+    """What ``statfs`` reports: staging space on a writable mount (None: read-only), inodes known."""
 
-    def __init__(self, code: int, message: str = "") -> None:
-        super().__init__(message or os.strerror(code))
-        self.errno = code
-
-
-class Node:
-    __slots__ = ("inode", "path", "is_dir", "size", "mtime", "etag", "checked_at", "lookups",
-                 "opens", "kernel_etag", "staged")
-
-    def __init__(self, inode: int, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> None:
-        self.inode = inode
-        self.path = path            # relative to the mount root, "" for the root, no trailing "/"
-        self.is_dir = is_dir
-        self.size = info.size if info else 0
-        self.mtime = info.mtime if info else now
-        self.etag = info.etag if info else ""
-        self.checked_at = now
-        self.lookups = 0
-        self.opens = 0
-        self.kernel_etag: str | None = None   # the version whose pages the kernel may hold
-        self.staged: StagedFile | None = None  # written here, not (yet) retired to the store
-
-    def show(self, entry: StagedFile) -> None:
-        self.staged = entry
-        self.size, self.mtime = entry.size, entry.mtime
-
-    def update(self, info: ObjectInfo, now: float) -> None:
-        self.size, self.mtime, self.etag, self.checked_at = info.size, info.mtime, info.etag, now
-
-
-@dataclass(slots=True)
-class DirState:
-    listed_at: float
-    files: dict[str, ObjectInfo]
-    dirs: set[str]
-
-    @classmethod
-    def from_listing(cls, listing: Listing, listed_at: float) -> "DirState":
-        files = {info.path.rsplit("/", 1)[-1]: info for info in listing.files}
-        dirs = set(listing.dirs)
-        for name in dirs & files.keys():
-            del files[name]   # a directory shadows a file of the same name (as mountpoint-s3 does)
-        return cls(listed_at, files, dirs)
-
-    def names(self) -> list[str]:
-        return sorted(self.dirs | self.files.keys())
-
-
-class Handle:
-    __slots__ = ("fh", "node", "file", "stream", "entry", "writable")
-
-    def __init__(self, fh: int, node: Node, file: FileVersion | None, entry: StagedFile | None = None,
-                 writable: bool = False) -> None:
-        self.fh = fh
-        self.node = node
-        self.file = file
-        self.stream = Stream()
-        self.entry = entry          # the staged file this handle opened (kept open while it lives)
-        self.writable = writable
-
-
-class DirHandle:
-    __slots__ = ("node", "names", "state")
-
-    def __init__(self, node: Node, state: DirState) -> None:
-        self.node = node
-        self.state = state
-        self.names = state.names()
-
-
-def dir_prefix(path: str) -> str:
-    return path + "/" if path else ""
-
-
-def join(parent: str, name: str) -> str:
-    return f"{parent}/{name}" if parent else name
-
-
-def split(path: str) -> tuple[str, str]:
-    parent, _, name = path.rpartition("/")
-    return parent, name
-
-
-def staged_info(entry: StagedFile) -> ObjectInfo:
-    return ObjectInfo(entry.path, entry.size, entry.mtime, "")
+    capacity: int | None
+    free: int
+    inodes: int
 
 
 class Vfs:
     def __init__(self, store: ObjectStore, blocks: BlockCache, snapshot: ListingSnapshot | None, *,
                  metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None,
-                 writeback: Writeback | None = None, fsync_remote: bool = False) -> None:
+                 writeback: Writeback | None = None, fsync_remote: bool = False,
+                 source: DirSource | None = None) -> None:
         self.store = store
+        self.source: DirSource = source if source is not None else store   # what lives under a directory
         self.wb = writeback         # None: a read-only mount (EROFS)
         self.fsync_remote = fsync_remote
         self._uploaded: dict[str, tuple[ObjectInfo, float]] = {}   # retired lately: for racing listings
@@ -138,13 +65,9 @@ class Vfs:
         self.ttl = metadata_ttl
         self.immutable = immutable
         self._limiter = list_limiter or trio.CapacityLimiter(16)
-        now = time.time()
-        self._nodes: dict[int, Node] = {ROOT_INODE: Node(ROOT_INODE, "", True, None, now)}
-        self._nodes[ROOT_INODE].lookups = 1 << 62      # never forgotten
-        self._by_path: dict[str, int] = {"": ROOT_INODE}
+        self._nodes = NodeTable(time.time())
         self._dirs: dict[str, DirState] = {}
         self._listings = SingleFlight()
-        self._next_inode = itertools.count(_FIRST_INODE)
         self._next_fh = itertools.count(1)
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, DirHandle] = {}
@@ -175,7 +98,7 @@ class Vfs:
         prefix = dir_prefix(path)
         started = time.time()
         try:
-            listing = await trio.to_thread.run_sync(self.store.list_dir, prefix, limiter=self._limiter)
+            listing = await trio.to_thread.run_sync(self.source.list_dir, prefix, limiter=self._limiter)
         except StoreError as exc:
             if stale is None:
                 raise
@@ -191,76 +114,50 @@ class Vfs:
 
     def _refresh_known_children(self, path: str, state: DirState, now: float) -> None:
         for name, info in state.files.items():
-            inode = self._by_path.get(join(path, name))
-            if inode is not None and not self._nodes[inode].is_dir and self._nodes[inode].staged is None:
-                self._nodes[inode].update(info, now)
+            node = self._nodes.at(join(path, name))
+            if node is not None and node.is_store_file:
+                node.update(info, now)
 
     def _overlay(self, path: str, state: DirState) -> None:
         """Apply what is written but not yet (or only just) in the store to a fresh listing."""
         if self.wb is None:
             return
-        prefix = dir_prefix(path)
-        for (_is_dir, target), op in self.wb.ops.items():
-            parent, name = split(target)
-            if parent == path:
-                if op.record.kind == DELETE:
-                    state.files.pop(name, None)
-                elif op.record.kind == RMDIR:
-                    state.dirs.discard(name)
-                else:
-                    state.dirs.add(name)
-            elif op.record.kind == MKDIR and target.startswith(prefix):
-                state.dirs.add(target[len(prefix):].split("/", 1)[0])
-        for target, entry in self.wb.files.items():
-            if target.startswith(prefix):
-                rest = target[len(prefix):]
-                if "/" in rest:
-                    state.dirs.add(rest.split("/", 1)[0])
-                else:
-                    state.files[rest] = staged_info(entry)
+        state.apply(self.wb.overlay(path))
         for target, (info, at) in self._uploaded.items():
             parent, name = split(target)
-            if parent == path and at >= state.listed_at - 5 and target not in self.wb.files:
+            if parent == path and at >= state.listed_at - 5 and self.wb.staged(target) is None:
                 state.files[name] = info
 
     # ---- nodes ------------------------------------------------------------------------------
     def node(self, inode: int) -> Node:
-        try:
-            return self._nodes[inode]
-        except KeyError:
-            raise FsError(errno.ESTALE, f"unknown inode {inode}") from None
+        return self._nodes.get(inode)
+
+    def find_node(self, inode: int) -> Node | None:
+        """The node of ``inode``, or None if the kernel forgot it (for log lines)."""
+        return self._nodes.find(inode)
+
+    def inode_count(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def writable(self) -> bool:
+        return self.wb is not None
+
+    def statfs(self) -> FsStats:
+        if self.wb is None:
+            return FsStats(None, 0, len(self._nodes))
+        capacity, used = self.wb.space()
+        return FsStats(capacity, max(0, capacity - used), len(self._nodes))
 
     def _node_for(self, path: str, is_dir: bool, info: ObjectInfo | None) -> Node:
-        inode = self._by_path.get(path)
-        now = time.time()
-        if inode is not None:
-            node = self._nodes[inode]
-            if node.is_dir == is_dir:
-                if info is not None and info.etag != node.etag:
-                    node.update(info, now)
-                return node
-            self._drop(node)
-        node = Node(next(self._next_inode), path, is_dir, info, now)
-        self._nodes[node.inode] = node
-        self._by_path[path] = node.inode
-        return node
-
-    def _drop(self, node: Node) -> None:
-        self._nodes.pop(node.inode, None)
-        if self._by_path.get(node.path) == node.inode:
-            del self._by_path[node.path]
+        return self._nodes.node_for(path, is_dir, info, time.time())
 
     def remember(self, node: Node) -> None:
         """The kernel now holds one more reference to ``node``."""
         node.lookups += 1
 
     def forget(self, inode: int, count: int) -> None:
-        node = self._nodes.get(inode)
-        if node is None or inode == ROOT_INODE:
-            return
-        node.lookups -= count
-        if node.lookups <= 0 and node.opens <= 0:
-            self._drop(node)
+        self._nodes.forget(inode, count)
 
     async def lookup(self, parent_inode: int, name: str) -> Node:
         parent = self.node(parent_inode)
@@ -282,7 +179,7 @@ class Vfs:
         return self._file_node(path, info)
 
     def _file_node(self, path: str, info: ObjectInfo) -> Node:
-        entry = self.wb.files.get(path) if self.wb is not None else None
+        entry = self.wb.staged(path) if self.wb is not None else None
         if entry is None:
             return self._node_for(path, False, info)
         node = self._node_for(path, False, None)
@@ -291,7 +188,7 @@ class Vfs:
 
     async def getattr(self, inode: int) -> Node:
         node = self.node(inode)
-        if not node.is_dir and node.staged is None:
+        if node.is_store_file:
             await self.revalidate(node)
         return node
 
@@ -493,16 +390,13 @@ class Vfs:
         else:
             self._dirs.pop(path, None)
 
-    def _unlink_path(self, path: str) -> None:
-        self._by_path.pop(path, None)     # the kernel may still hold the inode; forget drops it
-
     async def create(self, parent_inode: int, name: str, flags: int) -> tuple[Handle, Node]:
         wb = self._writeback()
         parent, state = await self._parent_state(parent_inode)
         if name in state.dirs:
             raise FsError(errno.EISDIR)
         path = join(parent.path, name)
-        staged = wb.files.get(path)
+        staged = wb.staged(path)
         if staged is not None:
             entry = staged
             await wb.truncate(entry, 0)
@@ -520,7 +414,7 @@ class Vfs:
         if name in state.dirs or name in state.files:
             raise FsError(errno.EEXIST)
         path = join(parent.path, name)
-        await wb.add_op(MKDIR, path)
+        await wb.make_dir(path)
         self._set_dir(path, True)
         node = self._node_for(path, True, None)
         self.remember(node)
@@ -538,9 +432,9 @@ class Vfs:
             raise FsError(errno.ENOTDIR if name in state.files else errno.ENOENT)
         if not await self._empty_dir(path):
             raise FsError(errno.ENOTEMPTY)
-        await wb.add_op(RMDIR, path)
+        await wb.remove_dir(path)
         self._set_dir(path, False)
-        self._unlink_path(path)
+        self._nodes.unlink(path)
 
     async def unlink(self, parent_inode: int, name: str) -> None:
         wb = self._writeback()
@@ -548,15 +442,15 @@ class Vfs:
         path = join(parent.path, name)
         if name in state.dirs:
             raise FsError(errno.EISDIR)
-        entry = wb.files.get(path)
+        entry = wb.staged(path)
         if entry is not None:
             await wb.unlink(entry)
         elif name in state.files:
-            await wb.add_op(DELETE, path)
+            await wb.delete(path)
         else:
             raise FsError(errno.ENOENT)
         self._set_file(path, None)
-        self._unlink_path(path)
+        self._nodes.unlink(path)
 
     async def rename(self, old_parent: int, old_name: str, new_parent: int, new_name: str, flags: int) -> None:
         self._writeback()
@@ -578,23 +472,23 @@ class Vfs:
             await self._rename_file(old, new, replaces=new_name in dst.files)
         else:
             raise FsError(errno.ENOENT)
-        self._move_node(old, new)
+        self._nodes.move(old, new)
 
     async def _rename_file(self, old: str, new: str, *, replaces: bool) -> None:
         wb = self.wb
-        entry = wb.files.get(old)
+        entry = wb.staged(old)
         if entry is not None:
-            await wb.move(entry, new, replaces_object=replaces and new not in wb.files)
+            await wb.move(entry, new, replaces_object=replaces and wb.staged(new) is None)
             self._set_file(old, None)
             self._set_file(new, staged_info(entry))
             return
         # A file only in the store: a server-side copy now, the old name deleted by a tombstone.
         info = await trio.to_thread.run_sync(self.store.copy, old, new, limiter=self._limiter)
-        other = wb.files.get(new)
+        other = wb.staged(new)
         if other is not None:
             await wb.unlink(other)
-        wb.cancel_op((False, new))
-        await wb.add_op(DELETE, old)
+        wb.cancel_delete(new)
+        await wb.delete(old)
         self._set_file(old, None)
         self._set_file(new, info)
         self._uploaded[new] = (info, time.time())
@@ -608,24 +502,16 @@ class Vfs:
             raise FsError(errno.EXDEV, "renaming a non-empty directory is not supported on an object store")
         if new_name in dst.dirs and not await self._empty_dir(new):
             raise FsError(errno.ENOTEMPTY)
-        await self.wb.add_op(MKDIR, new)
-        await self.wb.add_op(RMDIR, old)
+        await self.wb.make_dir(new)
+        await self.wb.remove_dir(old)
         self._set_dir(old, False)
         self._set_dir(new, True)
-
-    def _move_node(self, old: str, new: str) -> None:
-        inode = self._by_path.pop(old, None)
-        self._by_path.pop(new, None)
-        if inode is not None:
-            self._nodes[inode].path = new
-            self._by_path[new] = inode
 
     def _retired(self, entry: StagedFile, info: ObjectInfo) -> None:
         """``entry`` is in the store as ``info``: serve it through the block cache from now on."""
         now = time.time()
-        inode = self._by_path.get(entry.path)
-        if inode is not None and self._nodes[inode].staged is entry:
-            node = self._nodes[inode]
+        node = self._nodes.at(entry.path)
+        if node is not None and node.staged is entry:
             node.staged = None
             node.update(info, now)
             for handle in self.handles.values():
@@ -663,7 +549,7 @@ class Vfs:
 
     def adopt_file(self, info: ObjectInfo) -> None:
         """A newer version of a file (a warmup's HEAD after a 412): show it from now on."""
-        inode = self._by_path.get(info.path)
-        if inode is not None and not self._nodes[inode].is_dir and self._nodes[inode].staged is None:
-            self._nodes[inode].update(info, time.time())
+        node = self._nodes.at(info.path)
+        if node is not None and node.is_store_file:
+            node.update(info, time.time())
         self._publish(info)
