@@ -36,11 +36,15 @@ class StartFailed(CachefsError):
         self.exit_code = exit_code
 
 
-def start(cfg: MountConfig, *, env: dict[str, str] | None = None) -> Started:
+def start(cfg: MountConfig, *, env: dict[str, str] | None = None,
+          secrets: dict[str, str] | None = None) -> Started:
     """Start a daemon for ``cfg`` in its own session and return once it is ready.
 
-    ``env`` replaces the daemon's environment (the CSI driver passes credentials this way);
-    raises StartFailed, StartTimeout or CachefsError, leaving nothing mounted."""
+    ``env`` replaces the daemon's environment. ``secrets`` (environment variables such as
+    AWS_SECRET_ACCESS_KEY: the CSI driver's credentials) go on the same stdin as the config, as a
+    second JSON line, and the daemon sets them in its own ``os.environ`` before opening the store:
+    never in argv, in the exec-time environment (/proc/PID/environ) or in a file.
+    Raises StartFailed, StartTimeout or CachefsError, leaving nothing mounted."""
     try:
         os.makedirs(os.path.dirname(cfg.log_path), exist_ok=True)
         logfile = open(cfg.log_path, "ab")  # noqa: SIM115  (handed to the child, closed below)
@@ -53,6 +57,8 @@ def start(cfg: MountConfig, *, env: dict[str, str] | None = None) -> Started:
     os.close(ready_w)
     logfile.close()
     child.stdin.write(json.dumps(to_dict(cfg)).encode())
+    if secrets:
+        child.stdin.write(b"\n" + json.dumps(secrets).encode())
     child.stdin.close()
     line = _read_ready(ready_r, child, cfg.ready_timeout)
     if line.startswith("OK"):
@@ -87,7 +93,10 @@ def run_daemon(ready_fd: int) -> int:
     """The daemon process's side of ``start``: config on stdin, one ready line on ``ready_fd``."""
     ready = os.fdopen(ready_fd, "w")
     try:
-        cfg = build_config(json.loads(sys.stdin.read()))
+        config_line, _, secrets_line = sys.stdin.read().partition("\n")
+        cfg = build_config(json.loads(config_line))
+        if secrets_line.strip():
+            os.environ.update({str(k): str(v) for k, v in json.loads(secrets_line).items()})
         setup_logging(cfg, to_stderr=False)
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
