@@ -26,11 +26,28 @@ line is not split across the first two TCP reads (true on loopback in
 practice). Request counters, faults and stragglers act on these boundaries.
 
 Faults, settable from any thread while the proxy runs:
-  ``fail_next(n, kind)``  the next n requests get: "503" (we answer
-      ``503 Slow Down`` with an S3 ``SlowDown`` XML error), "500" (an S3
-      ``InternalError``), "reset" (abortive close: RST via SO_LINGER 0) or
-      "hang" (the request is swallowed and never answered until the client
-      closes: for timeout tests). HTTP error answers carry ``Connection: close``.
+  ``fail_next(n, kind)``  the next n requests get a fault of one kind.
+      Answered by the proxy, the request never reaches the server:
+      "503" (``503 Slow Down`` with an S3 ``SlowDown`` XML error and
+      ``Retry-After: 1``), "500" (an S3 ``InternalError``), "reset" (abortive
+      close: RST via SO_LINGER 0), "hang" (the request is swallowed and never
+      answered until the client closes: for timeout tests). HTTP error answers
+      carry ``Connection: close``.
+      Acting on the server's answer (the request is forwarded): "reset-body"
+      (RST after the head and half the body), "stall-body" (head and half the
+      body, then nothing until the client closes), "truncate" (head and half
+      the body, then a clean close: fewer bytes than Content-Length),
+      "slow-first-byte" (the answer is held ``slow_first_byte`` seconds, 2 by
+      default, then sent whole) and "wrong-range" (a ``Content-Range`` header
+      moved one byte up; the body is left alone). "Half the body" is cut from
+      the Content-Length of the answer's head, which must arrive in the
+      answer's first read (true on loopback); a bodiless answer is cut in
+      its head.
+  ``random_faults(rate, kinds)``  each request (after those queued by
+      ``fail_next``) gets a fault with probability ``rate``, of a kind drawn
+      uniformly from ``kinds`` (seeded RNG): a randomized fault schedule.
+  ``restart(downtime)``   a server restart: refuse (dropping live connections)
+      for ``downtime`` seconds, then serve again; returns at once.
   ``refuse(True)``        stop listening (new connections get ECONNREFUSED) and,
       by default, drop live connections; ``refuse(True, mode="close")``
       accepts and closes at once instead; ``refuse(False)`` restores service
@@ -61,7 +78,9 @@ import time
 from typing import Self
 
 CHUNK = 256 * 1024
-FAULT_KINDS = ("503", "500", "reset", "hang")
+REQUEST_FAULTS = ("503", "500", "reset", "hang")
+ANSWER_FAULTS = ("reset-body", "stall-body", "truncate", "slow-first-byte", "wrong-range")
+FAULT_KINDS = REQUEST_FAULTS + ANSWER_FAULTS
 HTTP_METHODS = (b"GET ", b"PUT ", b"POST ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ")
 _EOF = None  # queue sentinel: the client closed its sending side
 
@@ -85,9 +104,41 @@ def error_response(kind: str) -> bytes:
         "Content-Type: application/xml\r\n"
         f"Content-Length: {len(body)}\r\n"
         "x-amz-request-id: latency-proxy\r\n"
-        "Connection: close\r\n\r\n"
+        + ("Retry-After: 1\r\n" if kind == "503" else "")
+        + "Connection: close\r\n\r\n"
     ).encode()
     return head + body
+
+
+def body_cut(chunk: bytes) -> int | None:
+    """Where a mid-body fault cuts an answer whose head is in ``chunk``: after the head and half
+    the Content-Length (in the head if there is no body); None if the head is not all there."""
+    end = chunk.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = chunk[:end].decode("latin-1").lower()
+    length = 0
+    for line in head.split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        if name.strip() == "content-length" and value.strip().isdigit():
+            length = int(value.strip())
+    return end + 4 + length // 2 if length else max(1, end // 2)
+
+
+def shift_content_range(chunk: bytes) -> bytes:
+    """The answer with its ``Content-Range: bytes A-B/T`` moved to ``A+1-B+1/T`` (same length)."""
+    end = chunk.find(b"\r\n\r\n")
+    head, rest = (chunk[:end], chunk[end:]) if end >= 0 else (chunk, b"")
+    lines = head.split(b"\r\n")
+    for i, line in enumerate(lines):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-range" and b"-" in value:
+            unit, _, spec = value.strip().partition(b" ")
+            span, _, total = spec.partition(b"/")
+            first, _, last = span.partition(b"-")
+            if first.isdigit() and last.isdigit():
+                lines[i] = b"Content-Range: %s %d-%d/%s" % (unit, int(first) + 1, int(last) + 1, total)
+    return b"\r\n".join(lines) + rest
 
 
 def is_request_start(chunk: bytes) -> bool:
@@ -122,6 +173,8 @@ class FaultPlan:
         self._lock = threading.Lock()
         self._queue: collections.deque[str] = collections.deque()
         self._straggle = (0.0, 0.0)
+        self._random: tuple[float, tuple[str, ...]] = (0.0, ())
+        self.slow_first_byte = 2.0
         self._rng = random.Random(seed)
         self.requests = 0
         self.faults = collections.Counter()
@@ -133,6 +186,13 @@ class FaultPlan:
         with self._lock:
             self._queue.extend([kind] * n)
 
+    def set_random(self, rate: float, kinds: tuple[str, ...]) -> None:
+        for kind in kinds:
+            if kind not in FAULT_KINDS:
+                raise ValueError(f"fault kind must be one of {FAULT_KINDS}, not {kind!r}")
+        with self._lock:
+            self._random = (rate, tuple(kinds))
+
     def set_stragglers(self, fraction: float, delay: float) -> None:
         with self._lock:
             self._straggle = (fraction, delay)
@@ -141,6 +201,7 @@ class FaultPlan:
         with self._lock:
             self._queue.clear()
             self._straggle = (0.0, 0.0)
+            self._random = (0.0, ())
 
     def on_request(self) -> tuple[str | None, float]:
         """Count one request; return (fault kind or None, extra delay in seconds)."""
@@ -148,6 +209,11 @@ class FaultPlan:
             self.requests += 1
             if self._queue:
                 kind = self._queue.popleft()
+                self.faults[kind] += 1
+                return kind, 0.0
+            rate, kinds = self._random
+            if rate and kinds and self._rng.random() < rate:
+                kind = self._rng.choice(kinds)
                 self.faults[kind] += 1
                 return kind, 0.0
             fraction, delay = self._straggle
@@ -190,6 +256,9 @@ class Connection:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._at_boundary = True
         self._mode = "forward"   # forward | hang | answered | reset
+        self._answer_fault: str | None = None    # one of ANSWER_FAULTS, for the next answer
+        self._cut: int | None = None             # bytes of the current answer left before its fault
+        self._cut_kind = ""
 
     async def run(self) -> None:
         try:
@@ -250,6 +319,9 @@ class Connection:
             await asyncio.sleep(extra)
         if kind is None:
             return True
+        if kind in ANSWER_FAULTS:
+            self._answer_fault = kind
+            return True
         self.u_writer.transport.abort()
         if kind == "reset":
             self._mode = "reset"
@@ -284,15 +356,49 @@ class Connection:
             while chunk := await self.u_reader.read(CHUNK):
                 if self._mode != "forward":
                     break
-                if is_final_response(chunk):
+                if is_final_response(chunk) and self._at_boundary is False:
                     self._at_boundary = True
+                    chunk = await self._start_answer(chunk)
                 await self.proxy.bandwidth.take(len(chunk))
+                if self._cut is not None and len(chunk) >= self._cut:
+                    self.c_writer.write(chunk[:self._cut])
+                    await self._cut_answer()
+                    break
+                if self._cut is not None:
+                    self._cut -= len(chunk)
                 self.c_writer.write(chunk)
                 await self.c_writer.drain()
         except OSError:
             pass
         if self._mode == "forward":
             self.c_writer.close()   # upstream finished: so do we
+
+    async def _start_answer(self, chunk: bytes) -> bytes:
+        """The first chunk of an answer: arm the answer fault the request drew, if any."""
+        kind, self._answer_fault = self._answer_fault, None
+        if kind == "slow-first-byte":
+            await asyncio.sleep(self.proxy.faults.slow_first_byte)
+        elif kind == "wrong-range":
+            chunk = shift_content_range(chunk)
+        elif kind is not None:
+            self._cut = body_cut(chunk)
+            self._cut_kind = kind
+        return chunk
+
+    async def _cut_answer(self) -> None:
+        """Half the answer went out: reset, stall or close cleanly (truncate)."""
+        kind, self._cut = self._cut_kind, None
+        self.u_writer.transport.abort()
+        with contextlib.suppress(OSError):
+            await self.c_writer.drain()
+        if kind == "reset-body":
+            self._mode = "reset"
+            abort_with_rst(self.c_writer)
+        elif kind == "stall-body":
+            self._mode = "hang"
+        else:
+            self._mode = "answered"
+            self.c_writer.close()
 
 
 class _ProxyLoop:
@@ -363,6 +469,7 @@ class LatencyProxy:
                  listen_port: int = 0, seed: int = 0):
         self.listen_host = listen_host
         self.faults = FaultPlan(seed)
+        self.restarts = 0
         self._inner = _ProxyLoop((upstream_host, upstream_port), latency, bandwidth, self.faults)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
@@ -378,8 +485,26 @@ class LatencyProxy:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def fail_next(self, n: int, kind: str) -> None:
-        """Inject fault ``kind`` ("503", "500", "reset", "hang") into the next n requests."""
+        """Inject fault ``kind`` (one of FAULT_KINDS, see the module docstring) into the next n requests."""
         self.faults.fail_next(n, kind)
+
+    def random_faults(self, rate: float, kinds: tuple[str, ...] = FAULT_KINDS) -> None:
+        """Give each request a fault with probability ``rate``, of a kind drawn from ``kinds``."""
+        self.faults.set_random(rate, kinds)
+
+    def set_slow_first_byte(self, delay: float) -> None:
+        """How long a "slow-first-byte" fault holds the answer (seconds)."""
+        self.faults.slow_first_byte = delay
+
+    def restart(self, downtime: float) -> None:
+        """A server restart: refuse now (live connections dropped), serve again after ``downtime`` s."""
+        self.refuse(True)
+        self.restarts += 1
+
+        def restore() -> None:
+            asyncio.ensure_future(self._inner.set_refuse(None, self.listen_host, self.port, False))
+
+        self._loop.call_soon_threadsafe(self._loop.call_later, downtime, restore)
 
     def stragglers(self, fraction: float, delay: float) -> None:
         """Delay that fraction of requests by ``delay`` extra seconds (0 turns it off)."""
@@ -403,6 +528,7 @@ class LatencyProxy:
         stats = self.faults.snapshot()
         stats["connections_accepted"] = self._inner.accepted
         stats["connections_open"] = len(self._inner.connections)
+        stats["restarts"] = self.restarts
         return stats
 
     def close(self) -> None:

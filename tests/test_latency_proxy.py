@@ -201,3 +201,109 @@ def test_cli_prints_its_port_and_proxies(moto):
         proc.terminate()
         assert proc.wait(timeout=10) == 0
         proc.stdout.close()
+
+
+# ---- faults in the server's answer, random schedules, restarts ------------------------------------
+STREAM_ERRORS = (botocore.exceptions.IncompleteReadError, botocore.exceptions.ResponseStreamingError,
+                 botocore.exceptions.ReadTimeoutError)
+
+
+def test_503_carries_retry_after(moto, proxy):
+    _, bucket = moto
+    proxy.fail_next(1, "503")
+    with pytest.raises(botocore.exceptions.ClientError) as info:
+        client_for(proxy.endpoint_url).get_object(Bucket=bucket, Key="small")
+    assert info.value.response["ResponseMetadata"]["HTTPHeaders"]["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("kind", ["reset-body", "truncate"])
+def test_mid_body_faults_break_the_body_after_the_head(moto, proxy, kind):
+    _, bucket = moto
+    client = client_for(proxy.endpoint_url)
+    proxy.fail_next(1, kind)
+    answer = client.get_object(Bucket=bucket, Key="medium")       # the head arrives whole
+    assert answer["ContentLength"] == len(MEDIUM)
+    with pytest.raises(STREAM_ERRORS):
+        answer["Body"].read()
+    assert timed_get(client, bucket, "medium")[1] == MEDIUM
+    assert proxy.stats()["faults"] == {kind: 1}
+
+
+def test_truncated_body_is_short_by_half(moto, proxy):
+    """A raw socket sees exactly head + half the body, then a clean end of stream."""
+    import socket
+    _, bucket = moto
+    client = client_for(proxy.endpoint_url)
+    url = client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": "medium"})
+    path = url.split(str(proxy.port), 1)[1]
+    proxy.fail_next(1, "truncate")
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{proxy.port}\r\n\r\n".encode())
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"Content-Length: %d" % len(MEDIUM) in head
+    assert body == MEDIUM[:len(MEDIUM) // 2]
+
+
+def test_stall_mid_body_times_out(moto, proxy):
+    _, bucket = moto
+    client = client_for(proxy.endpoint_url, read_timeout=0.5)
+    proxy.fail_next(1, "stall-body")
+    answer = client.get_object(Bucket=bucket, Key="medium")
+    start = time.monotonic()
+    with pytest.raises(STREAM_ERRORS):
+        answer["Body"].read()
+    assert time.monotonic() - start >= 0.45
+    assert timed_get(client, bucket, "medium")[1] == MEDIUM
+
+
+def test_slow_first_byte_delays_then_answers_whole(moto, proxy):
+    _, bucket = moto
+    proxy.set_slow_first_byte(0.4)
+    proxy.fail_next(1, "slow-first-byte")
+    seconds, body = timed_get(client_for(proxy.endpoint_url), bucket, "medium")
+    assert body == MEDIUM and seconds >= 0.4
+
+
+def test_wrong_content_range_moves_the_header_not_the_body(moto, proxy):
+    _, bucket = moto
+    client = client_for(proxy.endpoint_url)
+    proxy.fail_next(1, "wrong-range")
+    answer = client.get_object(Bucket=bucket, Key="medium", Range="bytes=100-199")
+    assert answer["ContentRange"] == f"bytes 101-200/{len(MEDIUM)}"
+    assert answer["Body"].read() == MEDIUM[100:200]
+    again = client.get_object(Bucket=bucket, Key="medium", Range="bytes=100-199")
+    assert again["ContentRange"] == f"bytes 100-199/{len(MEDIUM)}"
+
+
+def test_random_fault_schedule_is_seeded_and_counted(moto, proxy):
+    _, bucket = moto
+    client = client_for(proxy.endpoint_url)
+    proxy.random_faults(0.5, ("503", "500"))
+    failures = 0
+    for _ in range(40):
+        try:
+            client.get_object(Bucket=bucket, Key="small")["Body"].read()
+        except botocore.exceptions.ClientError:
+            failures += 1
+    stats = proxy.stats()
+    assert stats["faults_total"] == failures and 8 <= failures <= 32
+    assert set(stats["faults"]) <= {"503", "500"}
+    proxy.clear_faults()
+    assert timed_get(client, bucket, "small")[1] == SMALL
+    assert proxy.stats()["faults_total"] == failures
+    with pytest.raises(ValueError):
+        proxy.random_faults(0.1, ("teapot",))
+
+
+def test_restart_refuses_then_serves_again(moto, proxy):
+    _, bucket = moto
+    client = client_for(proxy.endpoint_url)
+    proxy.restart(0.5)
+    with pytest.raises(botocore.exceptions.EndpointConnectionError):
+        client.get_object(Bucket=bucket, Key="small")
+    time.sleep(0.8)
+    assert timed_get(client, bucket, "small")[1] == SMALL
+    assert proxy.stats()["restarts"] == 1
