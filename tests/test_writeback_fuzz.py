@@ -62,30 +62,72 @@ def outcome(action, *args):
         return "err", errno.errorcode.get(exc.errno, exc.errno)
 
 
-def write_at(path: str, flags: int, offset: int, data: bytes) -> int:
-    fd = os.open(path, os.O_WRONLY | flags, 0o644)
-    try:
-        return os.pwrite(fd, data, offset) if not flags & os.O_APPEND else os.write(fd, data)
-    finally:
+class LocalSide:
+    """Operations on a real directory (a mount, or the reference), by path relative to ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _p(self, rel: str) -> str:
+        return str(self.root / rel)
+
+    def write_at(self, rel: str, flags: int, offset: int, data: bytes) -> int:
+        fd = os.open(self._p(rel), os.O_WRONLY | flags, 0o644)
+        try:
+            return os.pwrite(fd, data, offset) if not flags & os.O_APPEND else os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def truncate(self, rel: str, size: int) -> None:
+        os.truncate(self._p(rel), size)
+
+    def read_all(self, rel: str) -> bytes:
+        with open(self._p(rel), "rb") as fh:
+            return fh.read()
+
+    def fsync_path(self, rel: str) -> None:
+        fd = os.open(self._p(rel), os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def kind_and_size(self, rel: str) -> tuple[str, int]:
+        st_ = os.stat(self._p(rel))
+        return ("dir", 0) if stat.S_ISDIR(st_.st_mode) else ("file", st_.st_size)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(self._p(src), self._p(dst))
+
+    def unlink(self, rel: str) -> None:
+        os.unlink(self._p(rel))
+
+    def mkdir(self, rel: str) -> None:
+        os.mkdir(self._p(rel))
+
+    def rmdir(self, rel: str) -> None:
+        os.rmdir(self._p(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        return sorted(name for name in os.listdir(self._p(rel)) if name != ".cachefs-control")
+
+    def open(self, rel: str, flags: int) -> int:
+        return os.open(self._p(rel), flags)
+
+    def pwrite(self, fd: int, data: bytes, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        return os.pread(fd, size, offset)
+
+    def close(self, fd: int) -> None:
         os.close(fd)
 
+    def tree(self) -> tuple[dict[str, bytes], set[str]]:
+        return tree(self.root)
 
-def read_all(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def kind_and_size(path: str) -> tuple[str, int]:
-    st_ = os.stat(path)
-    return ("dir", 0) if stat.S_ISDIR(st_.st_mode) else ("file", st_.st_size)
+    def is_nonempty_dir(self, rel: str) -> bool:
+        return (self.root / rel).is_dir() and bool(os.listdir(self.root / rel))
 
 
 def tree(root: Path) -> tuple[dict[str, bytes], set[str]]:
@@ -121,82 +163,76 @@ def sync_mount(mountpoint: Path) -> dict:
     return last
 
 
-def make_machine(mountpoint: Path, reference: Path, client, bucket: str):
-    counter = itertools.count()
+def make_machine(new_example, sync, stored):
+    """The state machine, over any pair of sides: ``new_example()`` -> (name, side under test,
+    reference side), fresh directories; ``sync()`` uploads everything; ``stored(name)`` is the
+    tree the store holds for that example."""
 
     class WriteMachine(RuleBasedStateMachine):
         """Each rule runs one operation on both sides and asserts the same outcome."""
 
         @initialize()
         def fresh_directory(self):
-            self.name = f"ex{next(counter)}"
-            self.mnt, self.ref = mountpoint / self.name, reference / self.name
-            self.mnt.mkdir()
-            self.ref.mkdir()
+            self.name, self.mnt, self.ref = new_example()
             self.handles: list[tuple[int, int]] = []
 
-        def both(self, action, rel: str, *args):
-            got = outcome(action, str(self.mnt / rel), *args)
-            want = outcome(action, str(self.ref / rel), *args)
-            assert got == want, f"{action.__name__}({rel!r}): mount {got}, local {want}"
+        def both(self, action: str, *args):
+            got = outcome(getattr(self.mnt, action), *args)
+            want = outcome(getattr(self.ref, action), *args)
+            assert got == want, f"{action}{args!r}: tested {got}, local {want}"
             return want
-
-        def both2(self, action, a: str, b: str):
-            got = outcome(action, str(self.mnt / a), str(self.mnt / b))
-            want = outcome(action, str(self.ref / a), str(self.ref / b))
-            assert got == want, f"{action.__name__}({a!r}, {b!r}): mount {got}, local {want}"
 
         @rule(path=paths, offset=offsets, data=blobs,
               flags=st.sampled_from([os.O_CREAT, os.O_CREAT | os.O_TRUNC, os.O_CREAT | os.O_APPEND, 0]))
         def write(self, path, offset, data, flags):
-            self.both(write_at, path, flags, offset, data)
+            self.both("write_at", path, flags, offset, data)
 
         @rule(path=paths, size=st.integers(0, 80_000))
         def truncate(self, path, size):
-            self.both(os.truncate, path, size)
+            self.both("truncate", path, size)
 
         @rule(path=anything)
         def read(self, path):
-            self.both(read_all, path)
+            self.both("read_all", path)
 
         @rule(path=anything)
         def stat_size(self, path):
-            self.both(kind_and_size, path)
+            self.both("kind_and_size", path)
 
         @rule(src=anything, dst=anything)
         def rename(self, src, dst):
-            if (self.ref / src).is_dir() and os.listdir(self.ref / src):
-                got = outcome(os.rename, str(self.mnt / src), str(self.mnt / dst))
+            if self.ref.is_nonempty_dir(src):
+                got = outcome(self.mnt.rename, src, dst)
                 assert got[0] == "err", got     # a non-empty directory does not move (EXDEV: mv copies)
                 return
-            self.both2(os.rename, src, dst)
+            self.both("rename", src, dst)
 
         @rule(path=anything)
         def unlink(self, path):
-            self.both(os.unlink, path)
+            self.both("unlink", path)
 
         @rule(path=anything)
         def mkdir(self, path):
-            self.both(os.mkdir, path)
+            self.both("mkdir", path)
 
         @rule(path=anything)
         def rmdir(self, path):
-            self.both(os.rmdir, path)
+            self.both("rmdir", path)
 
         @rule(path=anything)
         def fsync(self, path):
-            self.both(fsync_path, path)
+            self.both("fsync_path", path)
 
         @rule(path=dirs)
         def listdir(self, path):
-            self.both(lambda p: sorted(os.listdir(p)), path)
+            self.both("listdir", path)
 
         @precondition(lambda self: len(self.handles) < 3)
         @rule(path=paths)
         def open_handle(self, path):
             """Keep a read-write descriptor open across operations (uploads while open)."""
-            got = outcome(os.open, str(self.mnt / path), os.O_RDWR)
-            want = outcome(os.open, str(self.ref / path), os.O_RDWR)
+            got = outcome(self.mnt.open, path, os.O_RDWR)
+            want = outcome(self.ref.open, path, os.O_RDWR)
             assert got[0] == want[0] and (got[0] == "ok" or got == want), (path, got, want)
             if got[0] == "ok":
                 self.handles.append((got[1], want[1]))
@@ -205,24 +241,24 @@ def make_machine(mountpoint: Path, reference: Path, client, bucket: str):
         @rule(index=st.integers(0, 2), offset=offsets, data=blobs)
         def write_handle(self, index, offset, data):
             mine, theirs = self.handles[index % len(self.handles)]
-            assert outcome(os.pwrite, mine, data, offset) == outcome(os.pwrite, theirs, data, offset)
+            assert outcome(self.mnt.pwrite, mine, data, offset) == outcome(self.ref.pwrite, theirs, data, offset)
 
         @precondition(lambda self: self.handles)
         @rule(index=st.integers(0, 2), size=st.integers(0, 80_000))
         def read_handle(self, index, size):
             mine, theirs = self.handles[index % len(self.handles)]
-            assert outcome(os.pread, mine, size, 0) == outcome(os.pread, theirs, size, 0)
+            assert outcome(self.mnt.pread, mine, size, 0) == outcome(self.ref.pread, theirs, size, 0)
 
         @precondition(lambda self: self.handles)
         @rule(index=st.integers(0, 2))
         def close_handle(self, index):
             mine, theirs = self.handles.pop(index % len(self.handles))
-            os.close(mine)
-            os.close(theirs)
+            self.mnt.close(mine)
+            self.ref.close(theirs)
 
         @rule()
         def sync(self):
-            sync_mount(mountpoint)
+            sync()
 
         @rule()
         def pause(self):
@@ -232,18 +268,18 @@ def make_machine(mountpoint: Path, reference: Path, client, bucket: str):
         @invariant()
         def same_listing(self):
             if hasattr(self, "mnt"):
-                assert sorted(os.listdir(self.mnt)) == sorted(os.listdir(self.ref))
+                assert self.mnt.listdir("") == self.ref.listdir("")
 
         def teardown(self):
             if not hasattr(self, "mnt"):
                 return
             for mine, theirs in self.handles:
-                os.close(mine)
-                os.close(theirs)
-            expected = digests(tree(self.ref))
-            assert digests(tree(self.mnt)) == expected
-            sync_mount(mountpoint)
-            assert digests(bucket_tree(client, bucket, f"{self.name}/")) == expected
+                self.mnt.close(mine)
+                self.ref.close(theirs)
+            expected = digests(self.ref.tree())
+            assert digests(self.mnt.tree()) == expected
+            sync()
+            assert digests(stored(self.name)) == expected
 
     return WriteMachine
 
@@ -255,5 +291,14 @@ def test_random_operations_match_a_local_directory(s3_server, bucket, mount_fact
                         "--small-file-size", "100K", "--upload-part-size", "5M").start()
     reference = tmp_path / "reference"
     reference.mkdir()
-    machine = make_machine(mnt.path, reference, client, bucket)
+    counter = itertools.count()
+
+    def new_example():
+        name = f"ex{next(counter)}"
+        (mnt.path / name).mkdir()
+        (reference / name).mkdir()
+        return name, LocalSide(mnt.path / name), LocalSide(reference / name)
+
+    machine = make_machine(new_example, lambda: sync_mount(mnt.path),
+                           lambda name: bucket_tree(client, bucket, f"{name}/"))
     run_state_machine_as_test(machine, settings=SETTINGS)
