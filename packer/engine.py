@@ -1,0 +1,96 @@
+"""Packing one worker's shards: list, plan, and for each shard not already finished stream its
+records out (parallel GETs in order), then its ``.idx``, then its index fragment (the shard's
+commit), and finally the worker's commit marker. Rerunning skips shards whose fragment matches
+the plan, so Ctrl-C then a rerun resumes."""
+
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from cachefs.errors import UsageError
+from cachefs.packfmt import Manifest, PackedIndex, read_manifest, shard_path
+from cachefs.packfmt.shard import ShardBuilder
+from cachefs.packfmt.store_index import open_index
+from cachefs.store import ObjectStore
+
+from .fetch import fetch_source, in_order
+from .fragment import WorkerMarker, fragment_bytes, read_fragment
+from .layout import fragment_path, idx_path, marker_path
+from .options import PackOptions
+from .plan import Plan, ShardPlan, make_plan
+from .progress import Progress
+from .sink import ShardSink
+from .source import SourceFile, list_source
+
+
+def plan_pack(src: ObjectStore, dst: ObjectStore, src_root: str | None, options: PackOptions) -> Plan:
+    """The plan of this run: everything (first pack) or what changed since the manifest (--append)."""
+    manifest = read_manifest(dst)
+    files = list_source(src, src_root)
+    if manifest is None:
+        if options.append:
+            raise UsageError("--append: the destination holds no packed dataset yet (pack it first)")
+        return make_plan(files, shard_size=options.shard_size)
+    if not options.append:
+        raise UsageError("the destination already holds a packed dataset: use --append to add changes, "
+                         "or pack into another place")
+    return _append_plan(files, manifest, open_index(dst)[1], options)
+
+
+def _append_plan(files: list[SourceFile], manifest: Manifest, index: PackedIndex, options: PackOptions) -> Plan:
+    old = dict(zip(index.files.column("path").to_pylist(),
+                   zip(index.files.column("etag").to_pylist(), index.files.column("size").to_pylist(),
+                       strict=True), strict=True))
+    changed = [f for f in files if old.get(f.path) != (f.etag, f.size)]
+    present = {f.path for f in files}
+    deleted = tuple(sorted(p for p in old if p not in present))
+    return make_plan(changed, shard_size=options.shard_size, generation=manifest.generation + 1,
+                     first_shard=manifest.shards, deleted=deleted)
+
+
+class Worker:
+    """Writes one worker's shards of a plan to ``dst``."""
+
+    def __init__(self, src: ObjectStore, dst: ObjectStore, source_url: str, options: PackOptions,
+                 progress: Progress) -> None:
+        self.src, self.dst, self.source_url = src, dst, source_url
+        self.options, self.progress = options, progress
+
+    def run(self, plan: Plan) -> list[ShardPlan]:
+        mine = plan.for_worker(self.options.worker_index, self.options.worker_count)
+        self.progress.plan(sum(len(s.files) for s in mine), sum(f.size for s in mine for f in s.files), len(mine))
+        with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="pack-get") as pool:
+            for shard in mine:
+                if self._finished(plan, shard):
+                    self.progress.shard_done(len(shard.files), sum(f.size for f in shard.files), skipped=True)
+                    continue
+                self._pack_shard(pool, plan, shard)
+                self.progress.shard_done(len(shard.files), 0)
+        self._commit(plan)
+        return list(mine)
+
+    def _finished(self, plan: Plan, shard: ShardPlan) -> bool:
+        found = read_fragment(self.dst, fragment_path(plan.generation, shard.number))
+        return found is not None and found[2] == plan.fingerprint
+
+    def _pack_shard(self, pool: ThreadPoolExecutor, plan: Plan, shard: ShardPlan) -> None:
+        builder = ShardBuilder(shard.number, plan.generation)
+        path = shard_path(shard.number)
+        sink = ShardSink(self.dst, path, self.options.part_size)
+        try:
+            fetch = partial(fetch_source, self.src)
+            for f, data in in_order(pool, shard.files, fetch, self.options.concurrency * 2):
+                sink.write(builder.add(f.path, data, mtime=f.mtime, mode=f.mode, etag=f.etag))
+                self.progress.file_done(len(data))
+            info = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        self.dst.put(idx_path(path), builder.idx_bytes())
+        self.dst.put(fragment_path(plan.generation, shard.number),
+                     fragment_bytes(builder.rows, builder.shard_row(info.etag), plan.fingerprint))
+
+    def _commit(self, plan: Plan) -> None:
+        i, n = self.options.worker_index, self.options.worker_count
+        marker = WorkerMarker(plan.fingerprint, self.source_url, plan.generation, i, n, plan.first_shard,
+                              len(plan.shards), list(plan.deleted))
+        self.dst.put(marker_path(plan.generation, i, n), marker.to_json())

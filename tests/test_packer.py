@@ -1,0 +1,328 @@
+"""`cachefs pack` / `unpack` end to end on local directories and a moto S3 server on loopback:
+round trips, resume, partitioned packs, appends, verify, and every bad input's exit code with
+nothing published."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cachefs.cli import main
+from cachefs.demo.local_s3 import s3_client
+from cachefs.errors import NoSuchKey
+from cachefs.metrics import Metrics
+from cachefs.packfmt import MANIFEST, BadName, PackExit, SourceChanged, open_index
+from cachefs.packfmt.tfrecord import example_fields, iter_records
+from cachefs.store import open_store
+from packer.cli import register_pack, register_unpack
+from packer.engine import Worker, plan_pack
+from packer.options import PackOptions
+from packer.progress import Progress
+from packer.source import check_names
+from packer.stores import local_root, to_url
+from tests.mounts import put_tree
+
+
+@pytest.fixture(autouse=True)
+def pack_commands(monkeypatch):
+    """`cachefs pack` / `unpack` through cachefs.cli.main in-process. Their registration through the
+    entry point is what test_the_commands_are_registered checks; here they are added directly, so a
+    stale egg-info on sys.path cannot hide them."""
+    monkeypatch.setattr("cachefs.cli._add_plugin_commands", lambda sub: (register_pack(sub), register_unpack(sub)))
+
+
+def test_the_commands_are_registered_through_the_entry_point():
+    for command in ("pack", "unpack"):
+        done = subprocess.run([sys.executable, "-c", "import sys; from cachefs.cli import main; "
+                               f"sys.exit(main(['{command}', '--help']))"], capture_output=True, text=True,
+                              cwd="/", timeout=60)
+        assert done.returncode == 0 and "exit codes:" in done.stdout, done.stderr
+
+
+def make_tree(root: Path, n: int = 60, seed: int = 1) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    files = {f"d{i % 4}/sub{i % 3}/f{i:03d}.bin": rng.randbytes(rng.randrange(0, 3000)) for i in range(n)}
+    files["top.txt"] = b"top level\n"
+    write_tree(root, files)
+    return files
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> None:
+    for path, data in files.items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def pack(*args: str) -> int:
+    return main(["pack", "--quiet", *map(str, args)])
+
+
+def unpack(*args: str) -> int:
+    return main(["unpack", "--quiet", *map(str, args)])
+
+
+def shard_bytes(dst: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((dst / "shards").iterdir())}
+
+
+def index_rows(dst: Path) -> list[dict]:
+    manifest = json.loads((dst / MANIFEST).read_text())
+    return pq.read_table(dst / manifest["index_files"]).to_pylist()
+
+
+def test_local_pack_unpack_roundtrip_keeps_bytes_modes_and_mtimes(tmp_path):
+    files = make_tree(tmp_path / "src")
+    os.chmod(tmp_path / "src/top.txt", 0o750)
+    os.utime(tmp_path / "src/top.txt", (1_600_000_000, 1_600_000_000))
+    assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "20K") == 0
+    dst = tmp_path / "dst"
+    manifest = json.loads((dst / MANIFEST).read_text())
+    assert manifest["files"] == len(files) and manifest["bytes"] == sum(map(len, files.values()))
+    assert manifest["shards"] == len(list((dst / "shards").glob("*.tfrecord"))) > 3
+    assert not (dst / "work").exists()
+    records = {}
+    for shard in sorted((dst / "shards").glob("*.tfrecord")):
+        with open(shard, "rb") as f:
+            records.update(example_fields(bytes(p)) for _, p in iter_records(f))
+    assert {k.decode(): v for k, v in records.items()} == files
+    assert unpack(dst, tmp_path / "out") == 0
+    assert read_tree(tmp_path / "out") == files
+    st = os.stat(tmp_path / "out/top.txt")
+    assert (st.st_mode & 0o777, int(st.st_mtime)) == (0o750, 1_600_000_000)
+    assert pack("--verify", dst) == 0
+
+
+def test_s3_pack_with_multipart_shards_and_unpack(s3_server, bucket, tmp_path):
+    client = s3_client(s3_server.endpoint_url)
+    rng = random.Random(7)
+    files = {f"img/{i:02d}.raw": rng.randbytes(3 << 20) for i in range(6)} | {"labels.csv": b"a,b\n1,2\n"}
+    put_tree(client, bucket, "src", files)
+    flags = ("--endpoint-url", s3_server.endpoint_url)
+    assert pack(f"s3://{bucket}/src", f"s3://{bucket}/packed", "--shard-size", "10M", *flags) == 0
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="packed/")["Contents"]}
+    assert {"packed/manifest.json", "packed/shards/00000.tfrecord", "packed/shards/00000.tfrecord.idx"} <= keys
+    assert not any(k.startswith("packed/work/") for k in keys)
+    assert pack("--verify", f"s3://{bucket}/packed", *flags) == 0
+    assert unpack(f"s3://{bucket}/packed", tmp_path / "out", *flags) == 0
+    assert read_tree(tmp_path / "out") == files
+
+
+class Interrupting:
+    """A source store that raises KeyboardInterrupt on its n-th GET and counts GETs."""
+
+    def __init__(self, store, after: int | None) -> None:
+        self.store, self.after, self.gets = store, after, 0
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def get(self, *args):
+        self.gets += 1
+        if self.after is not None and self.gets == self.after:
+            raise KeyboardInterrupt
+        return self.store.get(*args)
+
+
+def run_worker(src: Path, dst: Path, store_wrapper=None, **options) -> None:
+    opts = PackOptions(**{"shard_size": 20 << 10, "concurrency": 1, **options})
+    src_store = open_store(to_url(str(src)), metrics=Metrics())
+    dst_store = open_store(to_url(str(dst)), metrics=Metrics())
+    plan = plan_pack(src_store, dst_store, local_root(str(src)), opts)
+    Worker(store_wrapper(src_store) if store_wrapper else src_store, dst_store, to_url(str(src)), opts,
+           Progress("pack", quiet=True)).run(plan)
+
+
+def test_interrupted_pack_resumes_without_redoing_shards_and_equals_a_single_pack(tmp_path):
+    files = make_tree(tmp_path / "src", n=80)
+    assert pack(tmp_path / "src", tmp_path / "single", "--shard-size", "20K") == 0
+    first = Interrupting(None, after=45)
+    with pytest.raises(KeyboardInterrupt):
+        run_worker(tmp_path / "src", tmp_path / "resumed", lambda s: setattr(first, "store", s) or first)
+    assert not (tmp_path / "resumed" / MANIFEST).exists()
+    done = len(list((tmp_path / "resumed/work/g00000").glob("shard-*.parquet")))
+    assert done >= 2
+    second = Interrupting(None, after=None)
+    run_worker(tmp_path / "src", tmp_path / "resumed", lambda s: setattr(second, "store", s) or second)
+    assert 0 < second.gets < len(files) - 30          # the finished shards' files were not fetched again
+    assert pack("--merge", tmp_path / "resumed") == 0
+    assert shard_bytes(tmp_path / "resumed") == shard_bytes(tmp_path / "single")
+    assert index_rows(tmp_path / "resumed") == index_rows(tmp_path / "single")
+
+
+def test_partitioned_pack_then_merge_equals_a_single_pack(tmp_path, capsys):
+    make_tree(tmp_path / "src", n=80)
+    assert pack(tmp_path / "src", tmp_path / "single", "--shard-size", "20K") == 0
+    shards = json.loads((tmp_path / "single" / MANIFEST).read_text())["shards"]
+    for count in (3, shards + 2):     # more workers than shards: some pack nothing and still commit
+        dst = tmp_path / f"parts{count}"
+        for index in range(count - 1):
+            assert pack(tmp_path / "src", dst, "--shard-size", "20K", "--worker-index", index,
+                        "--worker-count", count) == 0
+        assert pack("--merge", dst) == PackExit.INCOMPLETE
+        assert not (dst / MANIFEST).exists()
+        assert pack(tmp_path / "src", dst, "--shard-size", "20K", "--worker-index", count - 1,
+                    "--worker-count", count) == 0
+        assert pack("--merge", dst) == 0
+        assert shard_bytes(dst) == shard_bytes(tmp_path / "single")
+        assert index_rows(dst) == index_rows(tmp_path / "single")
+    assert "have not committed" in capsys.readouterr().err
+
+
+def test_append_adds_changes_and_tombstones_deletions(tmp_path):
+    files = make_tree(tmp_path / "src", n=40)
+    assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "20K") == 0
+    before = shard_bytes(tmp_path / "dst")
+    assert pack(tmp_path / "src", tmp_path / "dst", "--append") == 0        # nothing changed: no generation
+    assert json.loads((tmp_path / "dst" / MANIFEST).read_text())["generation"] == 0
+    gone, changed = sorted(files)[3], sorted(files)[10]
+    (tmp_path / "src" / gone).unlink()
+    (tmp_path / "src" / changed).write_bytes(b"new content, another size")
+    write_tree(tmp_path / "src", {"new/file.bin": b"\x01" * 5000})
+    assert pack(tmp_path / "src", tmp_path / "dst", "--append", "--shard-size", "20K") == 0
+    manifest = json.loads((tmp_path / "dst" / MANIFEST).read_text())
+    assert manifest["generation"] == 1 and [g["generation"] for g in manifest["generations"]] == [0, 1]
+    assert manifest["files"] == len(files)      # one gone, one new
+    tombstones = pq.read_table(tmp_path / "dst" / manifest["tombstones"][0]).to_pylist()
+    assert tombstones == [{"path": gone, "generation": 1}]
+    after = shard_bytes(tmp_path / "dst")
+    assert {k: after[k] for k in before} == before and len(after) > len(before)
+    rows = {r["path"]: r for r in index_rows(tmp_path / "dst")}
+    assert gone not in rows and rows[changed]["generation"] == 1 and rows["new/file.bin"]["generation"] == 1
+    assert pack("--verify", tmp_path / "dst") == 0
+    assert unpack(tmp_path / "dst", tmp_path / "out") == 0
+    assert read_tree(tmp_path / "out") == read_tree(tmp_path / "src")
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_and_unpack_catch_a_corrupted_shard(tmp_path, capsys):
+    make_tree(tmp_path / "src")
+    assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "20K") == 0
+    row = next(r for r in index_rows(tmp_path / "dst") if r["size"] > 100)
+    flip_byte(tmp_path / "dst/shards" / f"{row['shard']:05d}.tfrecord", row["data_offset"] + 50)
+    assert pack("--verify", tmp_path / "dst") == PackExit.CORRUPT
+    assert unpack(tmp_path / "dst", tmp_path / "out") == PackExit.CORRUPT
+    assert not (tmp_path / "out" / row["path"]).exists()
+    err = capsys.readouterr().err
+    assert "crc32c" in err and len([line for line in err.splitlines() if line.startswith("cachefs: error")]) == 2
+
+
+def rewrite_index(dst: Path, change) -> None:
+    manifest = json.loads((dst / MANIFEST).read_text())
+    table = pq.read_table(dst / manifest["index_files"])
+    pq.write_table(change(table), dst / manifest["index_files"])
+
+
+@pytest.mark.parametrize("damage", ["outside", "truncated", "foreign"])
+def test_a_bad_index_is_refused_by_verify_unpack_and_append(tmp_path, damage):
+    make_tree(tmp_path / "src")
+    assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "20K") == 0
+    dst = tmp_path / "dst"
+    manifest = json.loads((dst / MANIFEST).read_text())
+    if damage == "outside":
+        rows = index_rows(dst)
+        rows[5]["data_offset"] += 10**6
+        rewrite_index(dst, lambda t: pa.Table.from_pylist(rows, schema=t.schema))
+    elif damage == "truncated":
+        index = dst / manifest["index_files"]
+        index.write_bytes(index.read_bytes()[:-100])
+    else:
+        pq.write_table(pa.table({"filename": ["a"], "label": [1]}), dst / manifest["index_files"])
+    assert pack("--verify", dst) == PackExit.CORRUPT
+    assert unpack(dst, tmp_path / "out") == PackExit.CORRUPT
+    assert pack(tmp_path / "src", dst, "--append") == PackExit.CORRUPT
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_manifest_version_is_refused(tmp_path):
+    make_tree(tmp_path / "src", n=5)
+    assert pack(tmp_path / "src", tmp_path / "dst") == 0
+    manifest = json.loads((tmp_path / "dst" / MANIFEST).read_text())
+    (tmp_path / "dst" / MANIFEST).write_text(json.dumps({**manifest, "version": 7}))
+    assert pack("--verify", tmp_path / "dst") == PackExit.UNKNOWN_VERSION
+    assert unpack(tmp_path / "dst", tmp_path / "out") == PackExit.UNKNOWN_VERSION
+    assert pack(tmp_path / "src", tmp_path / "dst", "--append") == PackExit.UNKNOWN_VERSION
+
+
+def assert_nothing_published(dst: Path) -> None:
+    assert not (dst / MANIFEST).exists()
+    assert not (dst / "shards").exists() or not list((dst / "shards").iterdir())
+
+
+def test_a_name_with_a_newline_is_refused_before_anything_is_written(tmp_path, capsys):
+    make_tree(tmp_path / "src", n=5)
+    (tmp_path / "src/bad\nname").write_bytes(b"x")
+    assert pack(tmp_path / "src", tmp_path / "dst") == PackExit.BAD_NAME
+    assert_nothing_published(tmp_path / "dst")
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "newline" in err
+
+
+@pytest.mark.parametrize("keys, message", [
+    (["a/../b"], "'..'"),
+    (["/abs"], "absolute"),
+    (["a", "a/b"], "both a file and a directory"),
+])
+def test_bad_s3_names_are_refused(s3_server, bucket, tmp_path, keys, message, capsys):
+    client = s3_client(s3_server.endpoint_url)
+    for key in keys + ["ok.bin"]:
+        client.put_object(Bucket=bucket, Key=f"src/{key}", Body=b"data")
+    dst = tmp_path / "dst"
+    assert pack(f"s3://{bucket}/src", dst, "--endpoint-url", s3_server.endpoint_url) == PackExit.BAD_NAME
+    assert message in capsys.readouterr().err
+    assert_nothing_published(dst)
+
+
+def test_duplicate_names_are_refused():
+    with pytest.raises(BadName, match="appears twice"):
+        check_names(["a", "b", "b", "c"])
+    check_names(["a", "a.b", "a0", "ab/c"])
+
+
+def test_a_source_that_changes_during_the_pack_publishes_nothing(tmp_path):
+    files = make_tree(tmp_path / "src", n=30)
+    opts = PackOptions(shard_size=20_000, concurrency=2)
+    src = open_store(to_url(str(tmp_path / "src")), metrics=Metrics())
+    dst = open_store(to_url(str(tmp_path / "dst")), metrics=Metrics())
+    plan = plan_pack(src, dst, str(tmp_path / "src"), opts)
+    victim = sorted(files)[-1]
+    (tmp_path / "src" / victim).write_bytes(b"changed while packing" * 3)
+    with pytest.raises(SourceChanged, match="changed while it was packed"):
+        Worker(src, dst, "file://src", opts, Progress("pack", quiet=True)).run(plan)
+    assert not (tmp_path / "dst" / MANIFEST).exists()
+    with pytest.raises(NoSuchKey):
+        open_index(dst)
+
+
+def test_usage_errors_and_an_already_packed_destination(tmp_path):
+    make_tree(tmp_path / "src", n=5)
+    assert pack(tmp_path / "src") == 2
+    assert pack(tmp_path / "src", tmp_path / "dst", "--worker-index", "3", "--worker-count", "2") == 2
+    assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "lots") == 2
+    assert pack(tmp_path / "src", tmp_path / "dst", "--append") == 2
+    assert pack(tmp_path / "src", tmp_path / "dst") == 0
+    assert pack(tmp_path / "src", tmp_path / "dst") == 2
+    assert pack("--merge", tmp_path / "empty") == PackExit.INCOMPLETE
+
+
+def test_json_progress_lines_end_with_a_summary(tmp_path, capsys):
+    files = make_tree(tmp_path / "src", n=20)
+    assert main(["pack", "--json", str(tmp_path / "src"), str(tmp_path / "dst"), "--shard-size", "8K"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["event"] == "progress" and lines[-1]["event"] == "summary"
+    assert lines[-1]["total_files"] == len(files) and lines[-1]["done_files"] == len(files)
