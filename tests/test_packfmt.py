@@ -208,3 +208,12 @@ def test_manifest_roundtrip_version_and_detection(tmp_path):
     with pytest.raises(CorruptIndex, match="not a cachefs pack manifest"):
         Manifest.from_json((tmp_path / MANIFEST).read_bytes())
     assert not is_packed(store)
+
+
+def test_rows_by_shard_groups_rows_in_record_order():
+    _, first = build({"b": b"1", "d": b"22"}, number=0)
+    _, second = build({"a": b"333", "c": b"4444"}, number=1)
+    rows = sorted(first.rows + second.rows, key=lambda r: r["path"])
+    index = PackedIndex.from_parquet(table_bytes(rows, FILES_SCHEMA), table_bytes(
+        [first.shard_row("e0"), second.shard_row("e1")], SHARDS_SCHEMA))
+    assert [[index.path(int(i)) for i in group] for group in index.rows_by_shard()] == [["b", "d"], ["a", "c"]]

@@ -10,6 +10,7 @@ import bisect
 import io
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -194,6 +195,13 @@ class PackedIndex:
             dirs.append(child)
             i = bisect.bisect_left(self._view, f"{prefix}{child}0", i)   # "0" sorts right after "/"
         return files, dirs
+
+    def rows_by_shard(self) -> list[np.ndarray]:
+        """For each shard, the rows of its live files in record order (one sort, no Python rows)."""
+        shard = self.files.column("shard").to_numpy()
+        order = np.lexsort((self.files.column("record_offset").to_numpy(), shard))
+        bounds = np.searchsorted(shard[order], np.arange(self.shards.num_rows + 1))
+        return [order[bounds[s]:bounds[s + 1]] for s in range(self.shards.num_rows)]
 
     def shard_size(self, shard: int) -> int:
         return self.shards.column("bytes")[shard].as_py()
