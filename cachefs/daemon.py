@@ -27,10 +27,10 @@ from cachefs.metrics import Exporter, Metrics
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
 from cachefs.store import ObjectStore, open_store
-from cachefs.tiers.cache import BlockCache
+from cachefs.tiers.cache import Tiers
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.memory import MemoryTier
-from cachefs.warm.engine import Prefetcher
+from cachefs.warm.engine import Warmer
 from cachefs.writeback.engine import Writeback, make_writeback
 
 log = logging.getLogger(__name__)
@@ -51,22 +51,23 @@ class Daemon:
                              fsync=cfg.fsync_cache_files, fill_workers=cfg.fill_workers,
                              max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20))
         self.memory = MemoryTier(cfg.mem_cache_size, metrics)
-        self.blocks = BlockCache(store, self.memory, self.disk, metrics, block_size=cfg.block_size,
-                                 readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
-                                 max_prefetches=cfg.max_prefetches)
+        # max_prefetches keeps the --max-prefetches option's old name; it bounds readahead GETs
+        self.tiers = Tiers(store, self.memory, self.disk, metrics, block_size=cfg.block_size,
+                           readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
+                           max_readaheads=cfg.max_prefetches)
         try:
             snapshot = ListingSnapshot(cfg.cache_dir, store.identity)
         except (OSError, sqlite3.Error) as exc:
             raise CacheDirError(f"cache dir {cfg.cache_dir}: cannot write the listing snapshot ({exc})") from None
         self.writeback: Writeback | None = make_writeback(cfg, store, metrics) if cfg.writable else None
-        self.vfs = Vfs(store, self.blocks, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable,
+        self.vfs = Vfs(store, self.tiers, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable,
                        writeback=self.writeback, fsync_remote=cfg.fsync == "remote")
         self.control = Control(self.vfs.new_fh)
         self.control.register("status", self._status_command)
-        self.prefetcher = Prefetcher(self.vfs, self.blocks, self.disk, metrics,
-                                     max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
-                                     prefetch_dataset=cfg.prefetch_dataset, prefetch_budget=cfg.prefetch_budget)
-        for name, command in self.prefetcher.commands().items():
+        self.warmer = Warmer(self.vfs, self.tiers, store, metrics,
+                             max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
+                             dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget)
+        for name, command in self.warmer.commands().items():
             self.control.register(name, command)
         if self.writeback is not None:
             self.control.register("sync", self._sync_command)
@@ -77,16 +78,7 @@ class Daemon:
 
     def status(self) -> dict:
         m = self.metrics
-        tiers = {}
-        for tier in ("memory", "disk"):
-            hits = m.counter_value("cachefs_tier_hits_total", tier=tier)
-            misses = m.counter_value("cachefs_tier_misses_total", tier=tier)
-            tiers[tier] = {"hits": int(hits), "misses": int(misses),
-                           "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
-                           "hit_bytes": int(m.counter_value("cachefs_tier_hit_bytes_total", tier=tier))}
-        tiers["memory"].update(used_bytes=self.memory.used, capacity_bytes=self.memory.capacity,
-                               blocks=len(self.memory))
-        tiers["disk"].update(self.disk.stats())
+        tiers = self.tiers.stats()
         requests = {}
         for metric in m.store_requests.collect():
             for sample in metric.samples:
@@ -102,7 +94,7 @@ class Daemon:
                 "read_bytes": int(m.counter_value("cachefs_read_bytes_total")),
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
                 "writeback": self.writeback.status() if self.writeback else None,
-                "warmup": self.prefetcher.status()}
+                "warmup": self.warmer.status()}
 
     async def _status_command(self, args: dict) -> AsyncIterator[dict]:
         yield self.status()
@@ -164,9 +156,8 @@ def _startup_error(group: BaseExceptionGroup) -> BaseException:
 async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
     cfg = daemon.cfg
     async with trio.open_nursery() as nursery:
-        await nursery.start(daemon.disk.run)
-        await nursery.start(daemon.blocks.run)
-        await nursery.start(daemon.prefetcher.run)
+        await nursery.start(daemon.tiers.run)          # the memory and disk tiers, and readahead
+        await nursery.start(daemon.warmer.run)
         if daemon.writeback is not None:
             await nursery.start(daemon.writeback.run)
         options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs", "noatime"}

@@ -1,4 +1,4 @@
-"""The read path without a kernel (DESIGN §5 layer 3): BlockCache over MemoryTier and DiskTier,
+"""The read path without a kernel (DESIGN §5 layer 3): Tiers over MemoryTier and DiskTier,
 driven inside ``trio.run`` over an in-memory store whose calls are counted, failed or held."""
 
 import random
@@ -16,7 +16,7 @@ from cachefs.errors import StoreError, Unreachable, VersionChanged
 from cachefs.metrics import Metrics
 from cachefs.store import ObjectStore
 from cachefs.store.fsspec_store import FsspecStore
-from cachefs.tiers.cache import BlockCache, FileVersion, Stream
+from cachefs.tiers.cache import FileVersion, Stream, Tiers
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.memory import MemoryTier
 
@@ -134,14 +134,14 @@ def make_disk(root, metrics: Metrics) -> DiskTier:
 
 
 def make_cache(store: ObjectStore, metrics: Metrics, disk: DiskTier | None = None, *, mem: int = 16 << 20,
-               readahead: int = 8 * BS, max_fetches: int = 8, max_prefetches: int = 4) -> BlockCache:
-    return BlockCache(store, MemoryTier(mem, metrics), disk, metrics, block_size=BS, readahead_size=readahead,
-                      max_fetches=max_fetches, max_prefetches=max_prefetches)
+               readahead: int = 8 * BS, max_fetches: int = 8, max_readaheads: int = 4) -> Tiers:
+    return Tiers(store, MemoryTier(mem, metrics), disk, metrics, block_size=BS, readahead_size=readahead,
+                 max_fetches=max_fetches, max_readaheads=max_readaheads)
 
 
 @asynccontextmanager
 async def serving(*parts):
-    """Run each part's ``run`` (DiskTier, BlockCache) in a nursery for the body's duration."""
+    """Run each part's ``run`` (DiskTier, Tiers) in a nursery for the body's duration."""
     async with trio.open_nursery() as nursery:
         for part in parts:
             await nursery.start(part.run)
@@ -329,7 +329,7 @@ def test_sequential_reads_trigger_readahead(bucket_mem):
             assert await cache.read(f, 0, BS, stream) == data[:BS]
             assert await cache.read(f, BS, BS, stream) == data[BS:2 * BS]
             await until(lambda: count(metrics, "readahead_blocks") == 1)
-            assert store.calls["get"] == 3                       # block 2 was prefetched
+            assert store.calls["get"] == 3                       # block 2 was read ahead
             assert await cache.read(f, 2 * BS, BS, stream) == data[2 * BS:]
             await trio.testing.wait_all_tasks_blocked()
             assert store.calls["get"] == 3                       # ... and served with no new get
@@ -355,13 +355,13 @@ def test_random_reads_do_not_trigger_readahead(bucket_mem):
     assert count(metrics, "readahead_blocks") == 0
 
 
-def test_readahead_is_dropped_not_queued_when_prefetch_slots_are_busy(bucket_mem):
+def test_readahead_is_dropped_not_queued_when_readahead_slots_are_busy(bucket_mem):
     data = blob(9, 6 * BS)
     bucket_mem.put("f", data)
     store = bucket_mem.store()
     f = bucket_mem.version(store, "f")
     metrics = Metrics()
-    cache = make_cache(store, metrics, max_prefetches=1)
+    cache = make_cache(store, metrics, max_readaheads=1)
 
     async def main():
         gate = store.hold("get", lambda path, start, end: start == 2 * BS)
@@ -369,7 +369,7 @@ def test_readahead_is_dropped_not_queued_when_prefetch_slots_are_busy(bucket_mem
             try:
                 first, second = Stream(), Stream()
                 await cache.read(f, 0, BS, first)
-                await cache.read(f, BS, BS, first)             # prefetches block 2: held at the gate
+                await cache.read(f, BS, BS, first)             # reads block 2 ahead: held at the gate
                 await gate.wait_reached()
                 await cache.read(f, 3 * BS, BS, second)
                 await cache.read(f, 4 * BS, BS, second)        # wants block 5: the one slot is busy
@@ -384,19 +384,19 @@ def test_readahead_is_dropped_not_queued_when_prefetch_slots_are_busy(bucket_mem
     trio.run(main)
 
 
-def test_a_window_wider_than_the_free_slots_prefetches_what_fits(bucket_mem):
+def test_a_window_wider_than_the_free_slots_reads_ahead_what_fits(bucket_mem):
     data = blob(10, 5 * BS)
     bucket_mem.put("f", data)
     store = bucket_mem.store()
     f = bucket_mem.version(store, "f")
     metrics = Metrics()
-    cache = make_cache(store, metrics, max_prefetches=1)
+    cache = make_cache(store, metrics, max_readaheads=1)
     stream = Stream()
 
     async def main():
         async with serving(cache):
             await cache.read(f, 0, BS, stream)
-            await cache.read(f, BS, BS, stream)                # window 1 block: prefetch block 2
+            await cache.read(f, BS, BS, stream)                # window 1 block: read block 2 ahead
             await until(lambda: count(metrics, "readahead_blocks") == 1)
             await cache.read(f, 2 * BS, BS, stream)            # window 2 blocks: 3 fits, 4 is dropped
             await until(lambda: count(metrics, "readahead_blocks") == 2)
@@ -406,12 +406,12 @@ def test_a_window_wider_than_the_free_slots_prefetches_what_fits(bucket_mem):
     assert count(metrics, "dropped_fills", tier="readahead", reason="queue_full") == 1
 
 
-def test_a_stalled_prefetch_never_queues_a_foreground_read(bucket_mem):
+def test_a_stalled_readahead_never_queues_a_foreground_read(bucket_mem):
     data = blob(11, 6 * BS)
     bucket_mem.put("f", data)
     store = bucket_mem.store()
     f = bucket_mem.version(store, "f")
-    cache = make_cache(store, Metrics(), max_fetches=1, max_prefetches=1)
+    cache = make_cache(store, Metrics(), max_fetches=1, max_readaheads=1)
 
     async def main():
         gate = store.hold("get", lambda path, start, end: start == 2 * BS)
@@ -419,7 +419,7 @@ def test_a_stalled_prefetch_never_queues_a_foreground_read(bucket_mem):
             try:
                 stream = Stream()
                 await cache.read(f, 0, BS, stream)
-                await cache.read(f, BS, BS, stream)            # prefetch of block 2 stalls
+                await cache.read(f, BS, BS, stream)            # readahead of block 2 stalls
                 await gate.wait_reached()
                 with trio.fail_after(1):
                     assert await cache.read(f, 4 * BS, BS) == data[4 * BS:5 * BS]

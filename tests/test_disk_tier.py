@@ -361,8 +361,10 @@ def test_slow_inline_reads_move_cold_reads_to_threads(tmp_path, monkeypatch, cap
             assert await tier.read_async(key(i), 0, 100) == blob(i)[:100]
     caplog.set_level("INFO", logger="cachefs.tiers.disk")
     serve(tier, body)
-    # the moving average crosses 2 ms on the 3rd 10 ms read; the rest wait in threads
-    assert where == ["trio"] * 3 + ["thread"] * 5
+    # the moving average crosses 2 ms on the 3rd 10 ms read (sooner when a busy box oversleeps);
+    # the rest wait in threads
+    inline = where.count("trio")
+    assert 1 <= inline <= 3 and where == ["trio"] * inline + ["thread"] * (8 - inline)
     assert "reading in threads" in caplog.text
     assert tier.reader.inline_off_until > time.monotonic()
 

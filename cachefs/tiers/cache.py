@@ -1,17 +1,31 @@
-"""The read path: kernel page cache aside, a block is served by the memory tier,
-then the disk tier, then one (single-flight) ranged GET from the object store.
+"""The tiers composed behind one narrow interface (``Tiers``): the only entry point to the cache.
 
-All state lives in the trio thread; the GET runs as a trio task (S3, see ``async_get``) or
-in a worker thread (other stores) under a CapacityLimiter (foreground reads, readahead and each warmup have their own, so a
-prefetch never queues a reader). A disk-tier hit whose pages are resident is served
-inline (``RWF_NOWAIT``), a cold one in a worker thread (see ``DiskTier.read_async``).
-Sequential readers get a readahead window that doubles while they stay sequential; a
-prefetch that cannot start at once is dropped and counted, never queued.
+Read path: kernel page cache aside, a block is served by the memory tier, then the disk tier,
+then one (single-flight) ranged GET from the object store. The vfs, the warm engine and the
+daemon's status use only ``Tiers``:
+
+=================  ===========================================================================
+read, preload      bytes of a pinned file version (``read`` drives the readahead of a stream)
+warm               put one block of a file in the disk tier (back-pressure, no drop)
+check              which blocks of a file each tier holds
+evict              drop a file's blocks from every tier
+hold, release      keep a running warm job's blocks from eviction
+pin, unpin         keep a named dataset's blocks across restarts; ``pinned`` lists them
+room, stats        what a warm may fill; per-tier numbers for ``cachefs status``
+=================  ===========================================================================
+
+All state lives in the trio thread; the GET runs as a trio task (S3) or in a worker thread
+(other stores) under a CapacityLimiter (foreground reads, readahead and each warm job have their
+own, so readahead never queues a reader). A disk-tier hit whose pages are resident is served
+inline (``RWF_NOWAIT``), a cold one in a worker thread (see ``disk/reader.py``). Sequential
+readers get a readahead window that doubles while they stay sequential; a readahead that cannot
+start at once is dropped and counted, never queued.
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -37,6 +51,16 @@ class FileVersion:
     size: int
 
 
+class BlockState(NamedTuple):
+    """Where one block of a file is cached (``Tiers.check``)."""
+
+    index: int
+    length: int           # data bytes of the block
+    memory: bool
+    disk: bool
+    cost: int             # bytes it takes in the disk tier (header included)
+
+
 class Stream:
     """Per-handle sequential-access state that drives readahead."""
 
@@ -56,9 +80,9 @@ class Stream:
         return self.window
 
 
-class BlockCache:
+class Tiers:
     def __init__(self, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
-                 block_size: int, readahead_size: int, max_fetches: int, max_prefetches: int) -> None:
+                 block_size: int, readahead_size: int, max_fetches: int, max_readaheads: int) -> None:
         self.store = store
         self.memory = memory
         self.disk = disk
@@ -66,22 +90,37 @@ class BlockCache:
         self.block_size = block_size
         self.readahead_size = readahead_size
         self._fetch_limiter = trio.CapacityLimiter(max_fetches)
-        self._prefetch_limiter = trio.CapacityLimiter(max_prefetches)   # never queues a reader
-        self._prefetch_slots = max_prefetches
-        self._prefetching = 0
+        self._readahead_limiter = trio.CapacityLimiter(max_readaheads)   # never queues a reader
+        self._readahead_slots = max_readaheads
+        self._readaheads = 0
         self._flights = SingleFlight(on_join=metrics.singleflight_joins.inc)
         self._nursery: trio.Nursery | None = None
-        self.on_first_read: Callable[[FileVersion], None] | None = None   # dataset prefetch hook
+        self.on_first_read: Callable[[FileVersion], None] | None = None   # the --prefetch-dataset hook
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Own the nursery in which readahead runs, until cancelled."""
+        """Run the disk tier and own the nursery in which readahead runs, until cancelled."""
         async with trio.open_nursery() as nursery:
+            if self.disk is not None:
+                await nursery.start(self.disk.run)
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
 
+    async def wait_idle(self) -> None:
+        """Return once the disk tier has written (or dropped) every queued fill."""
+        if self.disk is not None:
+            await self.disk.wait_idle()
+
     def key(self, f: FileVersion, index: int) -> BlockKey:
         return BlockKey(self.store.identity, f.path, f.etag, self.block_size, index)
+
+    def keys(self, f: FileVersion) -> Iterator[BlockKey]:
+        return (self.key(f, i) for i in range(-(-f.size // self.block_size)))
+
+    def block_len(self, f: FileVersion, index: int) -> int:
+        return min(self.block_size, f.size - index * self.block_size)
+
+    # ---- the read path ---------------------------------------------------------------------
 
     async def read(self, f: FileVersion, offset: int, size: int, stream: Stream | None = None) -> bytes:
         """Bytes [offset, offset+size) of ``f``, clipped at its end."""
@@ -140,10 +179,10 @@ class BlockCache:
             self.disk.start_fill(key, data)
         return data
 
-    def is_cached(self, key: BlockKey) -> bool:
-        return (self.memory.contains(key)
-                or (self.disk is not None and self.disk.contains(key))
-                or self._flights.in_flight(key))
+    async def _get(self, f: FileVersion, key: BlockKey, limiter: trio.CapacityLimiter) -> bytes:
+        """The one GET of a block (its version pinned with If-Match), under ``limiter``."""
+        end = min(key.offset + self.block_size, f.size)
+        return await self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=limiter)
 
     def _readahead(self, f: FileVersion, start: int, window: int) -> None:
         """Start background fetches for the blocks in [start, start+window); drop when busy."""
@@ -156,38 +195,49 @@ class BlockCache:
             if (self.memory.contains(key) or self._flights.in_flight(key)
                     or (self.disk is not None and self.disk.filling(key))):
                 continue
-            if self._prefetching >= self._prefetch_slots:
+            if self._readaheads >= self._readahead_slots:
                 self.metrics.dropped_fills.labels("readahead", "queue_full").inc()
                 return
-            self._prefetching += 1
-            self._nursery.start_soon(self._prefetch, f, key)
+            self._readaheads += 1
+            self._nursery.start_soon(self._readahead_block, f, key)
 
-    async def _prefetch(self, f: FileVersion, key: BlockKey) -> None:
+    async def _readahead_block(self, f: FileVersion, key: BlockKey) -> None:
         try:
             if self.disk is not None and self.disk.contains(key):
-                await self.disk.prefetch(key)     # the kernel reads the cache file ahead
+                await self.disk.readahead(key)     # the kernel reads the cache file ahead
                 return
-            await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._prefetch_limiter))
+            await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter))
             self.metrics.readahead_blocks.inc()
         except StoreError as exc:
             log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
         finally:
-            self._prefetching -= 1
+            self._readaheads -= 1
 
-    # --- warmup (cachefs/prefetcher.py) ---
+    # ---- warm, check, evict (cachefs/warm/engine.py) ---------------------------------------
 
     def foreground_waiting(self) -> bool:
-        """Readers are queued for a fetch slot: a warmup should step back."""
+        """Readers are queued for a fetch slot: a warm job should step back."""
         return self._fetch_limiter.statistics().tasks_waiting > 0
 
-    def tiers_of(self, key: BlockKey) -> tuple[bool, bool]:
-        """(in the memory tier, in the disk tier)."""
-        return self.memory.contains(key), self.disk is not None and self.disk.contains(key)
+    def is_cached(self, key: BlockKey) -> bool:
+        return (self.memory.contains(key)
+                or (self.disk is not None and self.disk.contains(key))
+                or self._flights.in_flight(key))
 
-    async def warm_block(self, f: FileVersion, index: int, limiter: trio.CapacityLimiter) -> tuple[int, bool]:
+    def check(self, f: FileVersion) -> list[BlockState]:
+        """Where each block of ``f`` is cached (no fetching)."""
+        out = []
+        for key in self.keys(f):
+            length = self.block_len(f, key.index)
+            on_disk = self.disk is not None and self.disk.contains(key)
+            cost = self.disk.file_size(length) if self.disk is not None else length
+            out.append(BlockState(key.index, length, self.memory.contains(key), on_disk, cost))
+        return out
+
+    async def warm(self, f: FileVersion, index: int, limiter: trio.CapacityLimiter) -> tuple[int, bool]:
         """Put block ``index`` of ``f`` in the disk tier: (bytes fetched, cached now).
 
-        The GET runs under the warmup's ``limiter`` and joins (or leads) the block's single
+        The GET runs under the warm job's ``limiter`` and joins (or leads) the block's single
         flight, so a reader wanting it meanwhile waits for this GET instead of issuing a second;
         the write goes straight to the disk tier (never the memory tier) and is awaited:
         back-pressure instead of a dropped fill. A changed object raises VersionChanged (If-Match)."""
@@ -203,7 +253,74 @@ class BlockCache:
             fetched = len(data)
         return fetched, await self.disk.warm(key, data)
 
-    async def _get(self, f: FileVersion, key: BlockKey, limiter: trio.CapacityLimiter) -> bytes:
-        """The one GET of a block (its version pinned with If-Match), under ``limiter``."""
-        end = min(key.offset + self.block_size, f.size)
-        return await self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=limiter)
+    def evict(self, f: FileVersion) -> tuple[int, int]:
+        """Drop every block of ``f`` from every tier (a queued fill is cancelled):
+        (blocks that were cached, their data bytes)."""
+        blocks = size = 0
+        for state in self.check(f):
+            key = self.key(f, state.index)
+            if state.memory or state.disk:
+                blocks += 1
+                size += state.length
+            self.memory.discard(key)
+            if self.disk is not None:
+                self.disk.discard(key)
+        return blocks, size
+
+    # ---- holds and pins --------------------------------------------------------------------
+
+    def hold(self, f: FileVersion, held: set[str]) -> None:
+        """Keep the blocks of ``f`` in the disk tier from eviction until ``release(held)``;
+        ``held`` records them (a block already in it is not held twice)."""
+        for key in self.keys(f):
+            digest = key.digest()
+            if digest not in held:
+                held.add(digest)
+                if self.disk is not None:
+                    self.disk.hold((digest,))
+
+    def release(self, held: set[str]) -> None:
+        if self.disk is not None:
+            self.disk.release(held)
+
+    def pin(self, name: str, held: set[str]) -> None:
+        """Keep ``held`` (from ``hold``) under ``name`` until ``unpin(name)``, across restarts."""
+        if self.disk is not None:
+            self.disk.pin(name, set(held))
+
+    def unpin(self, name: str) -> bool:
+        return self.disk is not None and self.disk.unpin(name)
+
+    def pinned(self) -> dict[str, int]:
+        """Blocks pinned per dataset name."""
+        return self.disk.pinned() if self.disk is not None else {}
+
+    # ---- room and status -------------------------------------------------------------------
+
+    @property
+    def disk_capacity(self) -> int:
+        return self.disk.capacity if self.disk is not None else 0
+
+    def room(self) -> dict:
+        """What a warm job may fill: capacity, used, held (pins and running warm jobs) and room."""
+        if self.disk is None:
+            return {"capacity": 0, "used": 0, "held": 0, "room": 0}
+        return self.disk.room()
+
+    def stats(self) -> dict:
+        """Per tier: hits, misses, hit ratio and bytes (from the metrics), and what it holds."""
+        out = {}
+        for tier in ("memory", "disk"):
+            hits = self.metrics.counter_value("cachefs_tier_hits_total", tier=tier)
+            misses = self.metrics.counter_value("cachefs_tier_misses_total", tier=tier)
+            out[tier] = {"hits": int(hits), "misses": int(misses),
+                         "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
+                         "hit_bytes": int(self.metrics.counter_value("cachefs_tier_hit_bytes_total", tier=tier))}
+        out["memory"].update(used_bytes=self.memory.used, capacity_bytes=self.memory.capacity,
+                             blocks=len(self.memory))
+        if self.disk is not None:
+            out["disk"].update(self.disk.stats())
+        return out
+
+
+BlockCache = Tiers      # the name the namespace still imports (cachefs/namespace/vfs.py)

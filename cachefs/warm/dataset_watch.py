@@ -2,9 +2,10 @@
 mount, warm the rest of it in the background (a detached warmup of the lowest common
 directory of those files), unless it exceeds the byte budget or the room in the cache.
 
-The hook runs in the trio thread on the first read of each open file (``BlockCache.read``
-at offset 0) and only counts; the warmup itself runs in the prefetcher's nursery, below
-readers in priority like any warmup.
+The hook runs in the trio thread on the first read of each open file (``Tiers.read``
+at offset 0) and only counts; the warm job itself runs in the ``Warmer``'s nursery, below
+readers in priority like any warmup. ("prefetch" here is only the option's name, kept for
+compatibility; the work is a detached warm.)
 """
 
 import logging
@@ -20,9 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class DatasetWatcher:
-    def __init__(self, prefetcher, budget: int, *, min_files: int = 32, window: float = 120.0,
+    def __init__(self, warmer, budget: int, *, min_files: int = 32, window: float = 120.0,
                  concurrency: int = 32) -> None:
-        self.prefetcher = prefetcher
+        self.warmer = warmer
         self.budget = budget
         self.min_files = min_files
         self.window = window
@@ -45,24 +46,24 @@ class DatasetWatcher:
         self._seen.clear()
         self._tried[root] = "started"
         try:
-            job = self.prefetcher.start(WarmSpec(paths=(root,)), concurrency=self.concurrency, detach=True,
-                                        label=f"dataset prefetch of /{root}", budget=self.budget)
+            job = self.warmer.start(WarmSpec(paths=(root,)), concurrency=self.concurrency, detach=True,
+                                     label=f"dataset warm of /{root}", budget=self.budget)
         except CachefsError as exc:         # e.g. the dataset does not fit: recorded, shown in status
             self._tried[root] = f"not started: {exc}"
-            log.info("dataset prefetch of /%s not started: %s", root, exc)
+            log.info("dataset warm of /%s not started: %s", root, exc)
             return
         except Exception as exc:            # a bug: logged, but never fails the read that triggered it
             self._tried[root] = f"not started: {exc}"
-            log.exception("dataset prefetch of /%s failed to start", root)
+            log.exception("dataset warm of /%s failed to start", root)
             return
-        log.info("dataset prefetch: warming /%s in the background (budget %d bytes)", root, self.budget)
-        self.prefetcher._nursery.start_soon(self._record, root, job)
+        log.info("--prefetch-dataset: warming /%s in the background (budget %d bytes)", root, self.budget)
+        self.warmer.start_soon(self._record, root, job)
 
     async def _record(self, root: str, job) -> None:
         await job.done.wait()
         self._tried[root] = job.state if not job.error else f"{job.state}: {job.error}"
         if job.state == "refused":
-            log.info("dataset prefetch of /%s is off: %s", root, job.error)
+            log.info("dataset warm of /%s is off: %s", root, job.error)
 
     def status(self) -> dict:
         return {"budget": self.budget, "datasets": dict(self._tried)}

@@ -1,6 +1,6 @@
 """The daemon side of `cachefs warmup`: fill the disk tier with a dataset, below readers.
 
-A warmup request names paths, globs or a manifest (``WarmSpec``). The prefetcher lists them
+A warmup request names paths, globs or a manifest (``WarmSpec``). The ``Warmer`` lists them
 with one recursive LIST per directory and hands the listing to the vfs (so the first epoch
 issues no LIST), plans the blocks that are not on the disk tier, checks that they fit, then
 runs ``concurrency`` workers that GET blocks (small objects whole, large ones as parallel
@@ -8,6 +8,8 @@ ranged GETs of one block each) and write them straight to the disk tier with bac
 
 Concurrency and priority (DESIGN invariants 1, 3, 4, 6)
 -------------------------------------------------------
+* The engine reaches the cache only through ``Tiers`` (``cachefs/tiers/cache.py``: warm, check,
+  evict, hold, pin, room) and the store through the ``ObjectStore`` it is given (HEAD, LIST).
 * All state lives in the trio thread; GETs run in worker threads under the job's own
   ``CapacityLimiter`` and joins the block's single flight (a reader wanting that block waits
   for it instead of issuing a second GET). Disk writes run on the disk tier's warm writers.
@@ -29,14 +31,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import trio
-from prometheus_client import Counter, Gauge
 
 from cachefs.errors import NoSuchKey, StoreError, UsageError, VersionChanged
-from cachefs.metrics import Metrics
+from cachefs.metrics import Metrics, WarmupMetrics
 from cachefs.namespace.vfs import Vfs, dir_prefix, split
-from cachefs.store import ObjectInfo
-from cachefs.tiers.cache import BlockCache, FileVersion
-from cachefs.tiers.disk import DiskTier
+from cachefs.store import ObjectInfo, ObjectStore
+from cachefs.tiers.cache import FileVersion, Tiers
 from cachefs.warm.job import Bandwidth, FileWork, WarmJob, WarmSpec, glob_regex, static_dir
 
 log = logging.getLogger(__name__)
@@ -45,48 +45,37 @@ PROGRESS_INTERVAL = 0.25
 MAX_UPLOAD_PATHS = 10_000_000
 
 
-class WarmupMetrics:
-    def __init__(self, metrics: Metrics, prefetcher: "Prefetcher") -> None:
-        r = metrics.registry
-        self.files = Counter("cachefs_warmup_files", "Files a warmup finished, by result "
-                             "(fetched, cached: already there, failed)", ["result"], registry=r)
-        self.bytes = Counter("cachefs_warmup_bytes", "Bytes a warmup fetched or found cached",
-                             ["result"], registry=r)
-        running = Gauge("cachefs_warmup_jobs_running", "Warmups running", registry=r)
-        running.set_function(lambda: len(prefetcher.jobs))
-        left = Gauge("cachefs_warmup_remaining_bytes", "Bytes running warmups have still to do", registry=r)
-        left.set_function(lambda: sum(max(0, j.bytes - j.done_bytes) for j in list(prefetcher.jobs.values())))
-        rate = Gauge("cachefs_warmup_rate_bytes", "Fetch rate of running warmups (bytes/s)", registry=r)
-        rate.set_function(lambda: sum(j.fetched_bytes / max(j.elapsed(), 1e-3)
-                                      for j in list(prefetcher.jobs.values())))
+class Warmer:
+    """Runs warm jobs (``cachefs warmup``, and the ``--prefetch-dataset`` watch) over ``tiers``."""
 
-
-class Prefetcher:
-    def __init__(self, vfs: Vfs, blocks: BlockCache, disk: DiskTier, metrics: Metrics, *,
-                 max_concurrency: int, immutable: bool = False, prefetch_dataset: bool = False,
-                 prefetch_budget: int = 0) -> None:
+    def __init__(self, vfs: Vfs, tiers: Tiers, store: ObjectStore, metrics: Metrics, *,
+                 max_concurrency: int, immutable: bool = False, dataset_watch: bool = False,
+                 dataset_budget: int = 0) -> None:
         self.vfs = vfs
-        self.blocks = blocks
-        self.disk = disk
+        self.tiers = tiers
+        self.store = store
         self.max_concurrency = max(1, max_concurrency)
         self.jobs: dict[str, WarmJob] = {}
         self.last: WarmJob | None = None
         self._uploads: dict[str, tuple[float, list[str]]] = {}
         self._list_limiter = trio.CapacityLimiter(8)
         self._nursery: trio.Nursery | None = None
-        self._metrics = WarmupMetrics(metrics, self)
+        self._metrics = WarmupMetrics(metrics, lambda: list(self.jobs.values()))
         self.watcher = None
-        if prefetch_dataset and immutable:
+        if dataset_watch and immutable:
             from cachefs.warm.dataset_watch import DatasetWatcher
-            budget = prefetch_budget or disk.capacity // 2
-            self.watcher = DatasetWatcher(self, budget)
-            blocks.on_first_read = self.watcher.on_first_read
+            self.watcher = DatasetWatcher(self, dataset_budget or tiers.disk_capacity // 2)
+            tiers.on_first_read = self.watcher.on_first_read
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
+
+    def start_soon(self, fn, *args) -> None:
+        """Run ``fn(*args)`` in the engine's nursery (the dataset watch records its jobs so)."""
+        self._nursery.start_soon(fn, *args)
 
     def commands(self) -> dict[str, Callable[[dict], AsyncIterator[dict]]]:
         return {"warmup": self._warmup_command, "warmup_paths": self._paths_command,
@@ -96,7 +85,8 @@ class Prefetcher:
     def status(self) -> dict:
         return {"running": [j.report() for j in self.jobs.values()],
                 "last": self.last.report("done") | {"failures": []} if self.last else None,
-                "pinned": {name: len(d) for name, d in self.disk.pins.pins.items()},
+                "pinned": self.tiers.pinned(),
+                # "dataset_prefetch" names the --prefetch-dataset option: users and tests read this key
                 "dataset_prefetch": self.watcher.status() if self.watcher else None}
 
     # ---- control commands ------------------------------------------------------------------
@@ -154,7 +144,7 @@ class Prefetcher:
     async def _check_command(self, args: dict) -> AsyncIterator[dict]:
         spec = self.spec_of(args)
         files, missing = await self.resolve(spec)
-        yield self.check(files, missing) | {"event": "check", "pinned": spec.name in self.disk.pins.pins}
+        yield self.check(files, missing) | {"event": "check", "pinned": spec.name in self.tiers.pinned()}
 
     async def _evict_command(self, args: dict) -> AsyncIterator[dict]:
         spec = self.spec_of(args)
@@ -162,21 +152,18 @@ class Prefetcher:
         if running is not None:
             running.scope.cancel()
             await running.done.wait()
-        unpinned = self.disk.unpin(spec.name)
+        unpinned = self.tiers.unpin(spec.name)
         files, _ = await self.resolve(spec)
         blocks = evicted = 0
         for info in files:
-            for key in self._keys(FileVersion(info.path, info.etag, info.size)):
-                in_memory, on_disk = self.blocks.tiers_of(key)
-                blocks += in_memory or on_disk
-                evicted += (in_memory or on_disk) and min(self.blocks.block_size, info.size - key.offset)
-                self.blocks.memory.discard(key)
-                self.disk.discard(key)
+            n, size = self.tiers.evict(FileVersion(info.path, info.etag, info.size))
+            blocks += n
+            evicted += size
         yield {"event": "evicted", "files": len(files), "blocks": blocks, "bytes": evicted, "unpinned": unpinned}
 
     async def _unpin_command(self, args: dict) -> AsyncIterator[dict]:
         spec = self.spec_of(args)
-        yield {"event": "unpinned", "unpinned": self.disk.unpin(spec.name), "dataset": spec.name}
+        yield {"event": "unpinned", "unpinned": self.tiers.unpin(spec.name), "dataset": spec.name}
 
     # ---- jobs ------------------------------------------------------------------------------
     def start(self, spec: WarmSpec, *, concurrency: int = 32, bandwidth: float | None = None,
@@ -209,8 +196,8 @@ class Prefetcher:
             job.state, job.error = "failed", f"internal error: {exc}"
         finally:
             if job.pin and job.state == "done":
-                self.disk.pin(job.name, set(job.held))
-            self.disk.release(job.held)
+                self.tiers.pin(job.name, job.held)
+            self.tiers.release(job.held)
             job.finished = time.monotonic()
             self.jobs.pop(job.name, None)
             self.last = job
@@ -247,16 +234,13 @@ class Prefetcher:
         for info in files:
             work = FileWork(info)
             todo = []
-            for key in self._keys(work.version):
-                digest = key.digest()
-                if digest not in job.held:
-                    job.held.add(digest)
-                    self.disk.hold((digest,))
-                if self.disk.contains_digest(digest):
-                    job.done_bytes += self._block_len(work.version, key.index)
+            self.tiers.hold(work.version, job.held)
+            for block in self.tiers.check(work.version):
+                if block.disk:
+                    job.done_bytes += block.length
                 else:
-                    todo.append(key.index)
-                    job.need_bytes += self.disk.file_size(self._block_len(work.version, key.index))
+                    todo.append(block.index)
+                    job.need_bytes += block.cost
             if todo:
                 work.pending = len(todo)
                 works.append((work, todo))
@@ -265,7 +249,7 @@ class Prefetcher:
         return works
 
     def _fits(self, job: WarmJob) -> bool:
-        job.room = self.disk.room()
+        job.room = self.tiers.room()
         limit = job.room["room"] if job.budget is None else min(job.room["room"], job.budget)
         if job.need_bytes <= limit or (job.force and job.budget is None):
             return True
@@ -292,7 +276,7 @@ class Prefetcher:
     async def _gate(self, job: WarmJob) -> None:
         """Take a worker slot: all of them while readers are not queued, 1/8 while they are."""
         while True:
-            limit = job.concurrency if not self.blocks.foreground_waiting() else max(1, job.concurrency // 8)
+            limit = job.concurrency if not self.tiers.foreground_waiting() else max(1, job.concurrency // 8)
             if job.active < limit:
                 job.active += 1
                 return
@@ -300,7 +284,7 @@ class Prefetcher:
 
     async def _warm_block(self, job: WarmJob, work: FileWork, version: FileVersion, index: int) -> None:
         try:
-            fetched, cached = await self.blocks.warm_block(version, index, job.limiter)
+            fetched, cached = await self.tiers.warm(version, index, job.limiter)
         except VersionChanged:
             if version == work.version:
                 await self._restart(job, work)
@@ -331,7 +315,7 @@ class Prefetcher:
         old = work.version
         work.restarts += 1
         try:
-            info = await trio.to_thread.run_sync(self.vfs.store.head, old.path, limiter=self._list_limiter)
+            info = await trio.to_thread.run_sync(self.store.head, old.path, limiter=self._list_limiter)
         except StoreError as exc:
             work.failed = True
             job.fail(old.path, f"changed during the warmup, then: {exc}")
@@ -342,18 +326,16 @@ class Prefetcher:
         self.vfs.adopt_file(info)
         work.version = FileVersion(info.path, info.etag, info.size)
         job.bytes += info.size - old.size
-        keys = list(self._keys(work.version))
-        work.pending = len(keys)
-        for key in keys:
-            job.held.add(key.digest())
-            self.disk.hold((key.digest(),))
+        indices = range(-(-info.size // self.tiers.block_size))
+        work.pending = len(indices)
+        self.tiers.hold(work.version, job.held)
         if work.restarts > 3:
             work.failed = True
             job.fail(old.path, "kept changing during the warmup")
             self._count_failed(job)
             return
-        for key in keys:
-            await self._warm_block(job, work, work.version, key.index)
+        for index in indices:
+            await self._warm_block(job, work, work.version, index)
 
     def _file_done(self, job: WarmJob, work: FileWork) -> None:
         job.done_files += 1
@@ -411,7 +393,7 @@ class Prefetcher:
     async def _list_tree(self, path: str) -> list[ObjectInfo]:
         """One recursive (paginated) LIST of directory ``path``, adopted by the vfs."""
         started = time.time()
-        infos = await trio.to_thread.run_sync(lambda: list(self.vfs.store.list_all(dir_prefix(path))),
+        infos = await trio.to_thread.run_sync(lambda: list(self.store.list_all(dir_prefix(path))),
                                               limiter=self._list_limiter)
         if infos:
             self.vfs.adopt_tree(path, infos, started)
@@ -425,9 +407,8 @@ class Prefetcher:
         for info in files:
             version = FileVersion(info.path, info.etag, info.size)
             whole = {"memory": True, "disk": True, "any": True}
-            for key in self._keys(version):
-                length = self._block_len(version, key.index)
-                in_memory, on_disk = self.blocks.tiers_of(key)
+            for block in self.tiers.check(version):
+                length, in_memory, on_disk = block.length, block.memory, block.disk
                 for tier, there in (("memory", in_memory), ("disk", on_disk)):
                     out[tier]["blocks"] += there
                     out[tier]["bytes"] += length if there else 0
@@ -439,10 +420,5 @@ class Prefetcher:
             out["disk"]["files"] += whole["disk"]
         return out
 
-    def _keys(self, version: FileVersion):
-        bs = self.blocks.block_size
-        return (self.blocks.key(version, i) for i in range(-(-version.size // bs)))
-
     def _block_len(self, version: FileVersion, index: int) -> int:
-        bs = self.blocks.block_size
-        return min(bs, version.size - index * bs)
+        return self.tiers.block_len(version, index)

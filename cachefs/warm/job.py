@@ -1,6 +1,6 @@
 """One warmup: what it warms (``WarmSpec``), its plan per file, its progress and its replies.
 
-Plain data owned by the trio thread; ``cachefs/prefetcher.py`` runs the jobs.
+Plain data owned by the trio thread; ``cachefs/warm/engine.py`` (``Warmer``) runs the jobs.
 """
 
 import hashlib
@@ -112,7 +112,7 @@ class WarmJob:
     bandwidth: float | None = None      # bytes/s, None: unlimited
     force: bool = False
     pin: bool = False
-    budget: int | None = None           # a dataset prefetch: refused above this many bytes
+    budget: int | None = None           # a --prefetch-dataset warm: refused above this many bytes
     label: str = ""
     state: str = "listing"              # listing, warming, done, refused, cancelled, failed
     error: str | None = None

@@ -1,4 +1,4 @@
-"""The warmup engine without a kernel: Prefetcher over a Vfs, BlockCache and DiskTier on a
+"""The warm engine without a kernel: Warmer over a Vfs and the Tiers (memory and disk) on a
 memory:// store; plus the disk tier's holds and pins and the glob matcher."""
 
 import time
@@ -12,7 +12,7 @@ from cachefs.namespace.vfs import Vfs
 from cachefs.tiers.cache import FileVersion
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk.index import Entry, SegmentedLRU
-from cachefs.warm.engine import Prefetcher
+from cachefs.warm.engine import Warmer
 from cachefs.warm.job import WarmSpec, glob_regex, static_dir
 
 
@@ -23,10 +23,9 @@ def run_with(bucket, tmp_path, body, *, capacity: int = 64 << 20):
         disk = DiskTier(tmp_path / "blocks", capacity=capacity, free_space_ratio=0.0, metrics=metrics, fsync=False)
         blocks = make_cache(store, metrics, disk)
         vfs = Vfs(store, blocks, None, metadata_ttl=3600, immutable=False)
-        pre = Prefetcher(vfs, blocks, disk, metrics, max_concurrency=8)
+        pre = Warmer(vfs, blocks, store, metrics, max_concurrency=8)
         async with trio.open_nursery() as nursery:
-            await nursery.start(disk.run)
-            await nursery.start(blocks.run)
+            await nursery.start(blocks.run)                 # runs the disk tier too
             await nursery.start(pre.run)
             await body(store, blocks, disk, pre)
             nursery.cancel_scope.cancel()
@@ -55,7 +54,7 @@ def test_an_object_changed_during_warmup_is_cached_at_its_new_version(bucket_mem
         assert await blocks.read(version, 0, len(new)) == new
         assert len(store.gets) == gets                  # served from the disk tier
         old_version = FileVersion("ds/a.bin", "", len(old))
-        assert all(not blocks.tiers_of(blocks.key(old_version, i))[1] for i in range(4))
+        assert not any(block.disk for block in blocks.check(old_version))
         assert pre.vfs._dirs["ds"].files["a.bin"].etag == version.etag     # the vfs shows the new one
 
     run_with(bucket_mem, tmp_path, body)
