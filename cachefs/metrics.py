@@ -48,6 +48,10 @@ class Metrics:
                                        ["op"], buckets=_LATENCY_BUCKETS, registry=r)
         self.store_retries = Counter("cachefs_store_retries", "Object-store requests retried", ["op"],
                                      registry=r)
+        # kind in {whole_object, range_200_content_range, range_200_etag}: ranged GETs answered 200, accepted
+        self.store_range_fallbacks = Counter("cachefs_store_range_fallbacks",
+                                             "Ranged GETs answered 200 whose bytes were proven right",
+                                             ["kind"], registry=r)
         self.readahead_blocks = Counter("cachefs_readahead_blocks", "Blocks prefetched by readahead",
                                         registry=r)
         self.singleflight_joins = Counter("cachefs_singleflight_joins",

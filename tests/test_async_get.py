@@ -182,7 +182,10 @@ class ScriptedServer:
                     self._stop.wait(5)
                     return
                 close = reply.endswith(b"<close>")
-                conn.sendall(reply.removesuffix(b"<close>"))
+                try:
+                    conn.sendall(reply.removesuffix(b"<close>"))
+                except OSError:
+                    return          # the client hung up mid-answer (it may: see the range tests)
                 if close:
                     return
 
@@ -385,3 +388,123 @@ def test_nothing_listening_is_unreachable_after_the_retries():
     [error] = run_gets(store, [("k", 0, 10, "v1", 10)])
     assert isinstance(error, Unreachable) and "cannot connect" in str(error)
     assert metrics.counter_value("cachefs_store_retries_total", op="get") == 1
+
+
+# --- ranged GETs answered 200 (issue 13 item 2), on both lean paths -------------------------------
+
+OBJECT = bytes(range(256)) * 400      # 102,400 bytes
+RANGE = (10_000, 30_000)
+
+
+def range_reply(mode: str):
+    """A script answering a ranged GET of OBJECT the way ``mode`` says a server does."""
+    def script(n: int, request: bytes) -> bytes:
+        start, end = RANGE
+        asked = OBJECT[start:end]
+        head = {"206": ["HTTP/1.1 206 Partial Content", f"Content-Range: bytes {start}-{end - 1}/{len(OBJECT)}",
+                        'ETag: "v1"'],
+                "whole": ["HTTP/1.1 200 OK", 'ETag: "v1"'],
+                "range_cr": ["HTTP/1.1 200 OK", f"Content-Range: bytes {start}-{end - 1}/{len(OBJECT)}",
+                             'ETag: "v1"'],
+                "range_etag": ["HTTP/1.1 200 OK", 'ETag: "v1"'],
+                "range_nothing": ["HTTP/1.1 200 OK"],
+                "range_wrong_cr": ["HTTP/1.1 200 OK", f"Content-Range: bytes 0-{end - start - 1}/{len(OBJECT)}",
+                                   'ETag: "v1"'],
+                "other_length": ["HTTP/1.1 200 OK", 'ETag: "v1"']}[mode]
+        body = {"whole": OBJECT, "other_length": asked[:-1]}.get(mode, asked)
+        return ("\r\n".join([*head, f"Content-Length: {len(body)}"]) + "\r\n\r\n").encode() + body
+    return script
+
+
+def read_range(store: S3Store, threaded: bool) -> bytes | Exception:
+    call = ("k", *RANGE, "v1", len(OBJECT))
+    if not threaded:
+        return run_gets(store, [call])[0]
+    try:
+        return store.get(*call)
+    except Exception as exc:      # noqa: BLE001 - the test inspects it
+        return exc
+
+
+def scripted_store(server: ScriptedServer, metrics: Metrics) -> S3Store:
+    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}"))
+    assert store._async_getter is not None and store._requests is not None
+    return store
+
+
+def fallbacks(metrics: Metrics, kind: str) -> float:
+    return metrics.counter_value("cachefs_store_range_fallbacks_total", kind=kind)
+
+
+@pytest.mark.allow_warnings
+@pytest.mark.parametrize("threaded", [False, True], ids=["trio", "threaded"])
+@pytest.mark.parametrize("mode,kind", [("206", None), ("whole", "whole_object"),
+                                       ("range_cr", "range_200_content_range"), ("range_etag", "range_200_etag")])
+def test_answers_that_prove_their_bytes_are_accepted_counted_and_warned_once(scripted, caplog, threaded, mode,
+                                                                            kind):
+    server = scripted(range_reply(mode))
+    metrics = Metrics()
+    store = scripted_store(server, metrics)
+    try:
+        assert [read_range(store, threaded) for _ in range(3)] == [OBJECT[RANGE[0]:RANGE[1]]] * 3
+    finally:
+        store.close()
+    assert b"Range: bytes=10000-29999" in server.requests[0] and b'If-Match: "v1"' in server.requests[0]
+    warnings = [r for r in caplog.records if "range" in r.getMessage() and r.levelname == "WARNING"]
+    if kind is None:
+        assert not warnings and all(fallbacks(metrics, k) == 0 for k in ("whole_object", "range_200_etag"))
+    else:
+        assert fallbacks(metrics, kind) == 3
+        assert len(warnings) == 1 and "127.0.0.1" in warnings[0].getMessage()       # once per store
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["trio", "threaded"])
+@pytest.mark.parametrize("mode,error,attempts", [("range_nothing", "neither Content-Range nor the pinned ETag", 1),
+                                                 ("range_wrong_cr", "got Content-Range", 1),
+                                                 ("other_length", "got 200 with 19999 bytes", 5)])
+def test_answers_that_prove_nothing_are_errors_never_bytes(scripted, threaded, mode, error, attempts):
+    server = scripted(range_reply(mode))
+    metrics = Metrics()
+    store = scripted_store(server, metrics)
+    try:
+        result = read_range(store, threaded)
+    finally:
+        store.close()
+    assert isinstance(result, BadResponse) and error in str(result), result
+    assert len(server.requests) == attempts          # a length mismatch is retried, then EIO
+    assert result.errno == 5
+
+
+@pytest.mark.allow_warnings
+@pytest.mark.parametrize("threaded", [False, True], ids=["trio", "threaded"])
+def test_a_whole_big_object_for_a_range_is_read_only_up_to_the_range_then_dropped(scripted, monkeypatch,
+                                                                                threaded):
+    import cachefs.store.s3.answer
+    monkeypatch.setattr(cachefs.store.s3.answer, "MAX_WASTE", 1000)      # OBJECT counts as big
+    big = OBJECT * 40                                                  # 4 MB sent, 20 KB wanted
+    server = scripted(lambda n, req: ok(big))
+    metrics = Metrics()
+    store = scripted_store(server, metrics)
+    call = ("k", *RANGE, "v1", len(big))
+    try:
+        got = [run_gets(store, [call])[0] for _ in range(2)] if not threaded else [store.get(*call) for _ in range(2)]
+    finally:
+        store.close()
+    assert got == [big[RANGE[0]:RANGE[1]]] * 2
+    assert server.connections == 2                     # the rest of the body was not read: not reused
+    assert fallbacks(metrics, "whole_object") == 2
+    assert metrics.counter_value("cachefs_store_read_bytes_total") == 2 * (RANGE[1] - RANGE[0])
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["trio", "threaded"])
+def test_a_whole_object_too_far_to_skip_fails_that_read_clearly(scripted, monkeypatch, threaded):
+    import cachefs.store.s3.answer
+    monkeypatch.setattr(cachefs.store.s3.answer, "MAX_WASTE", 1000)
+    monkeypatch.setattr(cachefs.store.s3.answer, "MAX_SKIP", 5000)
+    server = scripted(lambda n, req: ok(OBJECT))
+    store = scripted_store(server, Metrics())
+    try:
+        result = read_range(store, threaded)
+    finally:
+        store.close()
+    assert isinstance(result, BadResponse) and "ignores Range" in str(result) and len(server.requests) == 1

@@ -29,7 +29,7 @@ def metrics():
 
 @pytest.fixture(params=[True, False], ids=["lean-requests", "boto3-get"])
 def make_store(s3_server, metrics, request):
-    """Stores on the moto server, once with the lean GET path (signed_get) and once with boto3's."""
+    """Stores on the moto server, once with the lean GET path (requests) and once with boto3's."""
     stores = []
 
     def make(bucket: str, prefix: str = "", **options) -> S3Store:
@@ -96,7 +96,7 @@ def test_listing_keeps_odd_keys_exact_and_same_as_boto3(s3_server, client, bucke
     plain = S3Store(bucket, "", metrics=Metrics(),
                     options=S3Options(endpoint_url=s3_server.endpoint_url, lean_requests=False))
     try:
-        assert lean._getter is not None and plain._getter is None
+        assert lean._requests is not None and plain._requests is None
         assert sorted(lean.list_all("odd/"), key=str) == sorted(plain.list_all("odd/"), key=str)
         assert sorted(i.path for i in lean.list_all("odd/")) == sorted(ODD_KEYS)
         assert lean.list_dir("odd/") == plain.list_dir("odd/")
@@ -110,7 +110,7 @@ def test_listing_keeps_odd_keys_exact_and_same_as_boto3(s3_server, client, bucke
 
 
 def test_list_page_parser_reads_s3_xml_without_encoding():
-    from cachefs.store.s3.signed_get import parse_list_page
+    from cachefs.store.s3.requests import parse_list_page
     body = b"""<?xml version="1.0" encoding="UTF-8"?>
 <ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name><Prefix>p/</Prefix>
 <KeyCount>2</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>
@@ -130,7 +130,7 @@ def test_list_page_parser_reads_s3_xml_without_encoding():
 def test_a_malformed_list_answer_is_an_error_not_an_empty_directory():
     import xml.etree.ElementTree as ET
 
-    from cachefs.store.s3.signed_get import parse_list_page
+    from cachefs.store.s3.requests import parse_list_page
     with pytest.raises(ET.ParseError):
         parse_list_page(b"<ListBucketResult><Contents><Key>k</Key></Contents")     # cut short
     with pytest.raises(ValueError):
@@ -302,13 +302,25 @@ class BrokenBody(io.BytesIO):
         raise ResponseStreamingError(error="connection reset by peer")
 
 
-def test_server_ignoring_range_is_sliced(fake_store):
-    fake_store._client.get_object = FakeGet(answer(b"0123456789", status=200))
+@pytest.mark.allow_warnings
+def test_server_ignoring_range_is_sliced(fake_store, metrics, caplog):
+    fake_store._client.get_object = FakeGet(*(answer(b"0123456789", status=200) for _ in range(2)))
     assert fake_store.get("k", 2, 5, "e1", 10) == b"234"
+    assert fake_store.get("k", 5, 9, "e1", 10) == b"5678"
+    assert metrics.counter_value("cachefs_store_range_fallbacks_total", kind="whole_object") == 2
+    assert [r.levelname for r in caplog.records] == ["WARNING"]           # once per store
+
+
+@pytest.mark.parametrize("etag", ['e1"\r\nX-Injected: 1', "e1\n", "e\x00"])
+def test_an_etag_with_control_characters_never_reaches_the_wire(fake_store, etag):
+    fake_store._client.get_object = fake = FakeGet()
+    with pytest.raises(BadResponse, match="control character"):
+        fake_store.get("k", 2, 5, etag, 10)
+    assert fake.calls == []
 
 
 @pytest.mark.parametrize("response, error", [
-    (answer(b"01234", status=200), BadResponse),                        # 200, neither range nor whole
+    (answer(b"abc", status=200, etag=""), BadResponse),                 # 200 of the length, nothing proves it
     (answer(b"abc", content_range="bytes 0-2/10"), BadResponse),         # wrong range
     (answer(b"abc"), BadResponse),                                       # 206 without Content-Range
     (answer(b"abc", content_range="bytes 2-4/11"), VersionChanged),      # size moved

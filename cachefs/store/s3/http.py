@@ -1,6 +1,6 @@
 """Object GETs on the trio thread: a small HTTP/1.1 keep-alive client, no worker threads.
 
-Why not the thread path (``signed_get``): a GET in a worker thread costs the daemon ~0.9 ms of
+Why not the thread path (``requests``): a GET in a worker thread costs the daemon ~0.9 ms of
 CPU on a small node, most of it GIL hand-offs and futex wake-ups between the 32+ threads a
 warmup keeps busy, not HTTP. The same GET as a trio task costs ~0.25 ms (measured side by side
 with 32 concurrent GETs of 110 KiB objects through a 10 ms proxy: 0.80-0.97 vs 0.23-0.30 ms of
@@ -13,7 +13,7 @@ GET. So this module speaks the small part of HTTP/1.1 a GET needs, and nothing e
 - a connection that was idle and fails before the first response byte is retried once on a
   new connection (the server closed it while idle); every other failure is the caller's to
   retry: ConnectionError and TimeoutError (transient), ``ClientError`` for an error status, in
-  the shapes ``signed_get`` answers, so the store's checks, retries and metrics apply as they are;
+  the shapes ``requests`` answers, so the store's checks, retries and metrics apply as they are;
 - a connection is reused only after its whole response was read; one interrupted in any way
   (error, timeout, cancellation) is closed.
 
@@ -21,6 +21,7 @@ Connections belong to one trio run; a getter used from another run starts a new 
 """
 
 import os
+import re
 import ssl
 import time
 from urllib.parse import urlsplit
@@ -28,15 +29,87 @@ from urllib.parse import urlsplit
 import trio
 from botocore import exceptions as bx
 
-from cachefs.store.s3.signed_get import error_of, object_path
-from cachefs.store.s3.sigv4 import Signer
+from cachefs.store.s3.answer import Window, error_of
+from cachefs.store.s3.sigv4 import Signer, object_path
 
+# The response grammar, as h11 0.16 reads it (tests/test_http_framing.py checks that we agree).
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+_STATUS_LINE = re.compile(rb"HTTP/(1\.[01]) ([0-9]{3})(?: (?:[ \t]|[^\x00\s])*)?")
+_FIELD = re.compile(rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+):[ \t]*((?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?)[ \t]*")
+_FOLD = re.compile(rb"[ \t]+")
+_CHUNK_HEADER = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*\r\n")
+_DIGITS = re.compile(rb"[0-9]{1,20}")
 _MAX_HEAD = 64 << 10         # status line and headers
 _RECV = 256 << 10            # largest single receive
 _DEFAULT_PORT = {"http": 80, "https": 443}
 # A connection idle longer is closed, not reused. Load balancers drop idle connections without
 # a word (AWS ALB after 60 s); a GET sent on one would wait out the whole read timeout.
 _IDLE_MAX_S = 20.0
+
+
+def _parse_head(lines: list[bytes]) -> tuple[int, dict[str, str], bool]:
+    """Status, lower-cased header fields and keep-alive of a response head; ValueError if malformed."""
+    if not lines:
+        raise ValueError("no response line received")
+    match = _STATUS_LINE.fullmatch(lines[0])
+    if match is None:
+        raise ValueError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+    status = int(match[2])
+    if status < 100:
+        raise ValueError(f"bad status {status}")
+    fields = _parse_fields(lines[1:])
+    keep_alive = "close" not in fields.get("connection", "").lower() and (
+        match[1] == b"1.1" or "keep-alive" in fields.get("connection", "").lower())
+    return status, fields, keep_alive
+
+
+def _parse_fields(lines: list[bytes]) -> dict[str, str]:
+    """Header (or trailer) lines as {lower-cased name: value}; folded lines joined, repeated fields
+    joined with ", "; one Content-Length value and Transfer-Encoding only "chunked", as h11 demands."""
+    fields: dict[str, str] = {}
+    for line in _unfolded(lines):
+        match = _FIELD.fullmatch(line)
+        if match is None:
+            raise ValueError(f"bad header line {line[:80]!r}")
+        name, value = match[1].lower().decode(), match[2]
+        if name == "content-length":
+            value = _one_length(value, fields.get(name))
+        elif name == "transfer-encoding":
+            if name in fields or value.lower() != b"chunked":
+                raise ValueError(f"unsupported Transfer-Encoding {value[:40]!r}")
+        elif name in fields:
+            value = fields[name].encode("latin-1") + b", " + value
+        fields[name] = value.decode("latin-1")
+    return fields
+
+
+def _unfolded(lines: list[bytes]) -> list[bytes]:
+    """Obsolete line folding undone (a line starting with blanks continues the one before)."""
+    out: list[bytes] = []
+    for line in lines:
+        fold = _FOLD.match(line)
+        if fold is None:
+            out.append(line)
+        elif not out:
+            raise ValueError("continuation line at the start of the header")
+        else:
+            out[-1] += b" " + line[fold.end():]
+    return out
+
+
+def _one_length(value: bytes, seen: str | None) -> bytes:
+    values = {part.strip() for part in value.split(b",")}
+    if len(values) != 1 or not _DIGITS.fullmatch(next(iter(values))):
+        raise ValueError(f"bad Content-Length {value[:40]!r}")
+    value = values.pop()
+    if seen is not None and seen.encode() != value:
+        raise ValueError("conflicting Content-Length headers")
+    return value
+
+
+def _length(fields: dict[str, str]) -> int | None:
+    length = fields.get("content-length")
+    return None if length is None or "transfer-encoding" in fields else int(length)
 
 
 class _Connection:
@@ -90,19 +163,21 @@ class AsyncGetter:
     def target(self, bucket: str, key: str) -> str:
         return self._root + object_path(bucket, key)
 
-    async def get(self, bucket: str, key: str, headers: dict[str, str]) -> tuple[dict, bytes]:
-        """(response dict, body) of one GET; ClientError for an HTTP error status."""
+    async def get(self, bucket: str, key: str, headers: dict[str, str],
+                  window: Window | None = None) -> tuple[dict, bytes]:
+        """(response dict, body) of one GET; ClientError for an HTTP error status. ``window``
+        (see ``answer.window``) may ask to read only part of a 2xx body: the connection is then closed."""
         target = self.target(bucket, key)
         request = self._signed(target, headers)
         conn = self._take()
         if conn is not None:
             try:
-                return await self._exchange(conn, request, target)
+                return await self._exchange(conn, request, target, window)
             except _Stale:
                 pass
         conn = await self._connect(target)
         try:
-            return await self._exchange(conn, request, target)
+            return await self._exchange(conn, request, target, window)
         except _Stale:
             raise ConnectionError(f"GET {self._base}{target}: connection closed before a response") from None
 
@@ -117,72 +192,75 @@ class AsyncGetter:
         lines = [f"GET {target} HTTP/1.1", *(f"{name}: {value}" for name, value in signed.items()), "", ""]
         return "\r\n".join(lines).encode("latin-1")
 
-    async def _exchange(self, conn: _Connection, request: bytes, target: str) -> tuple[dict, bytes]:
+    async def _exchange(self, conn: _Connection, request: bytes, target: str,
+                        window: Window | None) -> tuple[dict, bytes]:
         """Send ``request`` on ``conn`` and read the answer; the connection is pooled again only
         after a complete response that allows keep-alive, and closed otherwise."""
         conn.received = 0
         reusable = False
         try:
             await conn.stream.send_all(request)
-            status, fields, keep_alive = await self._read_head(conn)
-            body, reusable = await self._read_body(conn, fields, keep_alive, target)
+            status, fields, body, reusable, cut = await self.read_response(conn, window)
         except TimeoutError:
             raise
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             if conn.used and conn.received == 0:
                 raise _Stale() from None
             raise ConnectionError(f"GET {self._base}{target}: {type(exc).__name__}: {exc}") from None
+        except ValueError as exc:
+            raise ConnectionError(f"GET {self._base}{target}: {exc}") from None
         finally:
             if reusable:
                 self._give_back(conn)
             else:
                 conn.close()
         response = {"ETag": fields.get("etag"), "ContentRange": fields.get("content-range"),
-                    "ResponseMetadata": {"HTTPStatusCode": status}}
+                    "ContentLength": _length(fields), "Cut": cut, "ResponseMetadata": {"HTTPStatusCode": status}}
         if status >= 300:
             raise bx.ClientError({"Error": error_of(status, body), **response}, "GetObject")
         return response, body
 
-    async def _read_head(self, conn: _Connection) -> tuple[int, dict[str, str], bool]:
-        """Status, lower-cased header fields and keep-alive of the next response (1xx skipped)."""
+    async def read_response(self, conn: _Connection, window: Window | None = None
+                            ) -> tuple[int, dict[str, str], bytes, bool, bool]:
+        """(status, fields, body, connection reusable, body cut by ``window``) of the next final
+        response on ``conn``; ValueError for a malformed one, ConnectionError for an early end."""
         while True:
-            end = conn.buffer.find(b"\r\n\r\n")
-            while end < 0:
-                if len(conn.buffer) > _MAX_HEAD:
-                    raise ConnectionError(f"response header over {_MAX_HEAD} bytes")
-                await self._receive(conn, _RECV, eof_ok=False)
-                end = conn.buffer.find(b"\r\n\r\n")
-            lines = conn.buffer[:end].decode("latin-1").split("\r\n")
-            del conn.buffer[:end + 4]
-            version, _, rest = lines[0].partition(" ")
-            code = rest[:3]
-            if not version.startswith("HTTP/1.") or not code.isdigit():
-                raise ConnectionError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-            if not 100 <= int(code) < 200:
+            status, fields, keep_alive = _parse_head(await self._read_lines(conn))
+            if status >= 200:
                 break
-        fields = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            fields[name.strip().lower()] = value.strip()
-        connection = fields.get("connection", "").lower()
-        keep_alive = "close" not in connection and (version == "HTTP/1.1" or "keep-alive" in connection)
-        return int(code), fields, keep_alive
+        if status in (204, 304):
+            return status, fields, b"", keep_alive, False
+        if "transfer-encoding" in fields:
+            return status, fields, await self._read_chunked(conn), keep_alive, False
+        length = _length(fields)
+        if length is None:
+            while await self._receive(conn, _RECV, eof_ok=True):     # delimited by the connection's end
+                pass
+            body = bytes(conn.buffer)
+            conn.buffer.clear()
+            return status, fields, body, False, False
+        cut = window(status, length) if window is not None and status < 300 else None
+        if cut is not None:
+            await self._skip(conn, cut[0])
+            return status, fields, await self._read_exact(conn, cut[1]), False, True
+        return status, fields, await self._read_exact(conn, length), keep_alive, False
 
-    async def _read_body(self, conn: _Connection, fields: dict[str, str], keep_alive: bool,
-                         target: str) -> tuple[bytes, bool]:
-        """(body, connection reusable) by the response's framing."""
-        if "chunked" in fields.get("transfer-encoding", "").lower():
-            return await self._read_chunked(conn), keep_alive
-        length = fields.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                raise ConnectionError(f"GET {self._base}{target}: bad Content-Length {length!r}")
-            return await self._read_exact(conn, int(length)), keep_alive
-        while await self._receive(conn, _RECV, eof_ok=True):     # delimited by the connection's end
-            pass
-        body = bytes(conn.buffer)
-        conn.buffer.clear()
-        return body, False
+    async def _read_lines(self, conn: _Connection) -> list[bytes]:
+        """The lines up to the next blank line (CRLF or bare LF endings, as h11 reads them);
+        [] when the section is empty."""
+        while True:
+            if conn.buffer[:1] == b"\n" or conn.buffer[:2] == b"\r\n":
+                del conn.buffer[:1 if conn.buffer[:1] == b"\n" else 2]
+                return []
+            end = _BLANK_LINE.search(conn.buffer)
+            if end is not None:
+                break
+            if len(conn.buffer) > _MAX_HEAD:
+                raise ValueError(f"response header over {_MAX_HEAD} bytes")
+            await self._receive(conn, _RECV, eof_ok=False)
+        lines = bytes(conn.buffer[:end.end()]).split(b"\n")[:-2]
+        del conn.buffer[:end.end()]
+        return [line[:-1] if line.endswith(b"\r") else line for line in lines]
 
     async def _read_exact(self, conn: _Connection, length: int) -> bytes:
         while len(conn.buffer) < length:
@@ -195,31 +273,38 @@ class AsyncGetter:
         del conn.buffer[:length]
         return body
 
+    async def _skip(self, conn: _Connection, count: int) -> None:
+        """Read and drop ``count`` body bytes, holding at most one receive in memory."""
+        while count > len(conn.buffer):
+            count -= len(conn.buffer)
+            conn.buffer.clear()
+            await self._receive(conn, min(_RECV, count), eof_ok=False)
+        del conn.buffer[:count]
+
     async def _read_chunked(self, conn: _Connection) -> bytes:
         parts = []
         while True:
             line = await self._read_line(conn)
-            size_text = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise ConnectionError(f"bad chunk size {size_text[:20]!r}") from None
+            match = _CHUNK_HEADER.fullmatch(line)
+            if match is None:
+                raise ValueError(f"bad chunk header {line[:40]!r}")
+            size = int(match[1], 16)
             if size == 0:
-                while await self._read_line(conn):        # trailers, up to the empty line
-                    pass
+                _parse_fields(await self._read_lines(conn))       # trailers: checked, not used
                 return b"".join(parts)
             parts.append(await self._read_exact(conn, size))
-            if await self._read_line(conn):
-                raise ConnectionError("chunk not followed by CRLF")
+            if await self._read_exact(conn, 2) != b"\r\n":
+                raise ValueError("chunk not followed by CRLF")
 
     async def _read_line(self, conn: _Connection) -> bytes:
+        """The next line, its CRLF included."""
         end = conn.buffer.find(b"\r\n")
         while end < 0:
             if len(conn.buffer) > _MAX_HEAD:
-                raise ConnectionError("chunked framing line too long")
+                raise ValueError("chunked framing line too long")
             await self._receive(conn, _RECV, eof_ok=False)
             end = conn.buffer.find(b"\r\n")
-        line = bytes(conn.buffer[:end])
+        line = bytes(conn.buffer[:end + 2])
         del conn.buffer[:end + 2]
         return line
 

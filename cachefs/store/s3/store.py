@@ -6,16 +6,19 @@ is left into the cachefs vocabulary with a message naming the operation and
 ``s3://bucket/key``. Credentials come only from boto3's standard chain (env,
 profile, credentials file), never from arguments or URLs, and are never logged.
 
-GET is checked because servers differ (DESIGN section 3): a ranged GET must be
-answered 206 with a matching Content-Range (or 200 with the whole object,
-which we slice, as rclone's server does); a response ETag other than the
-pinned one means the server ignored If-Match; a short body is retried.
+Requests: GETs as trio tasks (``http``), threaded GETs, listings, PUTs and parts
+(``requests``), all signed by ``sigv4``; the rare calls through boto3 (see
+``requests`` for which). GET answers are checked by ``answer`` because servers
+differ (DESIGN section 3); a ranged GET answered 200 that provably holds the
+asked bytes is accepted, counted in ``cachefs_store_range_fallbacks_total``
+and warned about once per kind per store.
 """
 
 import base64
 import contextlib
+import functools
 import hashlib
-import re
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,9 +42,11 @@ from cachefs.errors import (
 from cachefs.metrics import Metrics
 from cachefs.store.base import Listing, ObjectInfo, ObjectStore
 from cachefs.store.retry import call_with_retries, call_with_retries_async
+from cachefs.store.s3.answer import BEHAVIOUR, ShortBody, Want, etag_of, get_headers, verify, window
 from cachefs.store.s3.http import AsyncGetter
-from cachefs.store.s3.signed_get import SignedGetter
-from cachefs.store.s3.signed_put import SignedPutter
+from cachefs.store.s3.requests import Requests, lean_usable
+
+log = logging.getLogger(__name__)
 
 _TEMP_CODES = frozenset({"SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "InternalError",
                          "ServiceUnavailable", "TooManyRequests", "RequestLimitExceeded",
@@ -52,13 +57,6 @@ _DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesN
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "NoSuchUpload", "404"})
 _CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
 _CREDENTIAL_ERRORS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)
-_CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-
-
-class ShortBody(Exception):
-    """The body length differs from what was asked: retried, then BadResponse."""
-
-
 _TEMP_EXCEPTIONS = (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError, ShortBody,
                     ConnectionError, TimeoutError)
 _MAPPED = (bx.ClientError, bx.BotoCoreError, ShortBody, ConnectionError, TimeoutError)
@@ -73,8 +71,8 @@ class S3Options:
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     max_attempts: int = 5
-    lean_requests: bool = True             # GETs as trio tasks (async_get) or signed_get, not botocore
-    lean_put: bool = True             # PUTs and parts through signed_put, not botocore
+    lean_requests: bool = True             # GETs and listings as trio tasks (http) or requests, not botocore
+    lean_put: bool = True             # PUTs and parts through requests, not botocore
 
 
 # --- error classification and mapping ---------------------------------------------------------
@@ -144,105 +142,33 @@ def make_client(options: S3Options, session: Any = None) -> Any:
     return session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
 
 
-def _signed_getter(client: Any, session: Any, options: S3Options) -> SignedGetter | None:
-    """The lean GET path (see ``signed_get``), unless disabled or not usable here."""
+def _requests(client: Any, session: Any, options: S3Options) -> Requests | None:
+    """The threaded lean requests (see ``requests``), unless disabled or not usable here."""
     credentials = session.get_credentials() if options.lean_requests else None
-    if not SignedGetter.usable(client, credentials):
+    if not lean_usable(client.meta.endpoint_url, credentials):
         return None
-    return SignedGetter(client, credentials, max_connections=options.max_connections,
-                        connect_timeout=options.connect_timeout, read_timeout=options.read_timeout)
+    return Requests(client.meta.endpoint_url, client.meta.region_name or "us-east-1", credentials,
+                    max_connections=options.max_connections, connect_timeout=options.connect_timeout,
+                    read_timeout=options.read_timeout)
 
 
 def _async_getter(client: Any, session: Any, options: S3Options) -> AsyncGetter | None:
-    """GETs as trio tasks (see ``async_get``): the lean path, where the lean path is usable."""
+    """GETs as trio tasks (see ``http``): the lean path, where the lean path is usable."""
     credentials = session.get_credentials() if options.lean_requests else None
-    if not SignedGetter.usable(client, credentials):
+    if not lean_usable(client.meta.endpoint_url, credentials):
         return None
     return AsyncGetter(client.meta.endpoint_url, client.meta.region_name or "us-east-1", credentials,
                        max_idle=options.max_connections, connect_timeout=options.connect_timeout,
                        read_timeout=options.read_timeout)
 
 
-def _signed_putter(client: Any, session: Any, options: S3Options) -> SignedPutter | None:
-    """The lean PUT path (see ``signed_put``), unless disabled or not usable here."""
-    lean = options.lean_put and options.lean_requests     # --no-lean-requests: plain boto3 for every request
-    credentials = session.get_credentials() if lean else None
-    if not SignedPutter.usable(client, credentials):
-        return None
-    return SignedPutter(client, credentials, max_connections=options.max_connections,
-                        connect_timeout=options.connect_timeout, read_timeout=options.read_timeout)
-
-
-def _get_headers(want: "_Want") -> dict[str, str]:
-    """If-Match and Range of a GET, as HTTP headers (the lean paths)."""
-    headers = {}
-    if want.etag:
-        headers["If-Match"] = f'"{want.etag}"'
-    if want.ranged:
-        headers["Range"] = f"bytes={want.start}-{want.end - 1}"
-    return headers
-
-
 def _status_of(response: dict) -> str:
     return str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", "error"))
 
 
-def _etag(value: str | None) -> str:
-    return (value or "").strip('"')
-
-
 def _info(path: str, obj: dict) -> ObjectInfo:
     size = obj.get("Size", obj.get("ContentLength", 0))
-    return ObjectInfo(path=path, size=size, mtime=obj["LastModified"].timestamp(), etag=_etag(obj.get("ETag")))
-
-
-# --- GET verification ---------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class _Want:
-    url: str
-    etag: str
-    start: int
-    end: int
-    size: int
-
-    @property
-    def ranged(self) -> bool:
-        return not (self.start == 0 and self.end == self.size)
-
-
-def verify_get(want: _Want, response: dict, body: bytes) -> bytes:
-    """The bytes [start, end) from a GET answer, or VersionChanged / BadResponse / ShortBody."""
-    got = _etag(response.get("ETag"))
-    if got and want.etag and got != want.etag:
-        raise VersionChanged(f"get {want.url}: object changed (ETag {got}, pinned {want.etag})")
-    status = int(response["ResponseMetadata"]["HTTPStatusCode"])
-    if want.ranged:
-        body = _ranged_body(want, status, response.get("ContentRange"), body)
-    elif status != 200:
-        raise BadResponse(f"get {want.url}: whole-object GET answered {status}")
-    if len(body) != want.end - want.start:
-        raise ShortBody(f"got {len(body)} bytes, asked {want.end - want.start}")
-    return body
-
-
-def _ranged_body(want: _Want, status: int, content_range: str | None, body: bytes) -> bytes:
-    if status == 206:
-        _check_content_range(want, content_range)
-        return body
-    if status == 200 and len(body) == want.size:   # server ignored Range and sent everything
-        return body[want.start:want.end]
-    raise BadResponse(f"get {want.url}: asked bytes {want.start}-{want.end - 1}, "
-                      f"got {status} with {len(body)} bytes")
-
-
-def _check_content_range(want: _Want, content_range: str | None) -> None:
-    match = _CONTENT_RANGE_RE.match(content_range or "")
-    if not match or (int(match[1]), int(match[2])) != (want.start, want.end - 1):
-        raise BadResponse(f"get {want.url}: asked bytes {want.start}-{want.end - 1}, "
-                          f"got Content-Range {content_range!r}")
-    if match[3] != "*" and int(match[3]) != want.size:
-        raise VersionChanged(f"get {want.url}: object size is now {match[3]}, pinned {want.size}")
+    return ObjectInfo(path=path, size=size, mtime=obj["LastModified"].timestamp(), etag=etag_of(obj.get("ETag")))
 
 
 # --- the store ----------------------------------------------------------------------------------
@@ -258,9 +184,10 @@ class S3Store(ObjectStore):
         self._options = options
         session = make_session(options)
         self._client = make_client(options, session)
-        self._getter = _signed_getter(self._client, session, options)
+        self._requests = _requests(self._client, session, options)
         self._async_getter = _async_getter(self._client, session, options)
-        self._putter = _signed_putter(self._client, session, options)
+        self._putter = self._requests if options.lean_put else None     # PUTs and parts
+        self._fallbacks_warned: set[str] = set()
         self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
 
     def _url(self, key: str) -> str:
@@ -342,39 +269,64 @@ class S3Store(ObjectStore):
         self._metrics.store_bytes.inc(len(data))
         return data
 
-    def _want(self, path: str, start: int, end: int, etag: str, size: int) -> tuple[str, _Want]:
+    def _want(self, path: str, start: int, end: int, etag: str, size: int) -> tuple[str, Want]:
         if not 0 <= start <= end <= size:
             raise ValueError(f"bad range [{start}, {end}) for an object of {size} bytes")
         key = self._root + path
-        return key, _Want(self._url(key), etag, start, end, size)
+        return key, Want(self._url(key), etag, start, end, size)
 
-    def _get_once(self, key: str, want: _Want) -> bytes:
+    def _get_once(self, key: str, want: Want) -> bytes:
         def request() -> tuple[dict, bytes]:
-            headers = _get_headers(want)
-            if self._getter is not None:
-                return self._getter.get(self.bucket, key, headers)
-            kwargs = {"Bucket": self.bucket, "Key": key}
-            if "If-Match" in headers:
-                kwargs["IfMatch"] = headers["If-Match"]
-            if "Range" in headers:
-                kwargs["Range"] = headers["Range"]
-            response = self._client.get_object(**kwargs)
-            with response["Body"] as body:
-                return response, body.read()   # inside the attempt: a mid-body reset is retried
+            headers = get_headers(want)
+            if self._requests is not None:
+                return self._requests.get(self.bucket, key, headers, functools.partial(window, want))
+            return self._boto3_get(key, want, headers)
         response, body = self._timed("get", request)
-        return verify_get(want, response, body)
+        return self._verified(want, response, body)
 
-    async def _get_once_async(self, key: str, want: _Want) -> bytes:
+    def _boto3_get(self, key: str, want: Want, headers: dict[str, str]) -> tuple[dict, bytes]:
+        kwargs = {"Bucket": self.bucket, "Key": key}
+        if "If-Match" in headers:
+            kwargs["IfMatch"] = headers["If-Match"]
+        if "Range" in headers:
+            kwargs["Range"] = headers["Range"]
+        response = self._client.get_object(**kwargs)
+        status = response["ResponseMetadata"]["HTTPStatusCode"]
+        cut = window(want, status, response.get("ContentLength"))
+        response["Cut"] = cut is not None
+        with response["Body"] as body:     # inside the attempt: a mid-body reset is retried
+            if cut is None:
+                return response, body.read()
+            skip, take = cut
+            while skip and (data := body.read(min(skip, 1 << 20))):
+                skip -= len(data)
+            return response, body.read(take) if not skip else b""
+
+    def _verified(self, want: Want, response: dict, body: bytes) -> bytes:
+        """The asked bytes of a GET answer (``answer.verify``); a 200 accepted for a ranged GET is
+        counted and, the first time for its kind, logged."""
+        data, kind = verify(want, response, body)
+        if kind is not None:
+            self._metrics.store_range_fallbacks.labels(kind).inc()
+            if kind not in self._fallbacks_warned:
+                self._fallbacks_warned.add(kind)
+                log.warning("the S3 server at %s %s; accepted (it provably holds the asked bytes), counted in "
+                            "cachefs_store_range_fallbacks_total", self._options.endpoint_url or "aws",
+                            BEHAVIOUR[kind])
+        return data
+
+    async def _get_once_async(self, key: str, want: Want) -> bytes:
         started, status = time.monotonic(), "error"
         try:
-            response, body = await self._async_getter.get(self.bucket, key, _get_headers(want))
+            response, body = await self._async_getter.get(self.bucket, key, get_headers(want),
+                                                          functools.partial(window, want))
             status = _status_of(response)
         except bx.ClientError as exc:
             status = _status_of(exc.response)
             raise
         finally:
             self._count("get", status, started)
-        return verify_get(want, response, body)
+        return self._verified(want, response, body)
 
     def list_dir(self, prefix: str) -> Listing:
         full = self._root + prefix
@@ -415,8 +367,8 @@ class S3Store(ObjectStore):
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     def _list_page(self, full: str, kwargs: dict[str, Any], missing: type[StoreError] = NoSuchKey) -> dict:
-        """One retried, counted ListObjectsV2 page: lean (``signed_get.list_page``) or boto3."""
-        if self._getter is None:
+        """One retried, counted ListObjectsV2 page: lean (``requests.list_page``) or boto3."""
+        if self._requests is None:
             return self._simple("list", full, "list_objects_v2", missing, **kwargs)
         params = {"prefix": kwargs["Prefix"]}
         if "Delimiter" in kwargs:
@@ -427,7 +379,7 @@ class S3Store(ObjectStore):
             params["max-keys"] = str(kwargs["MaxKeys"])
 
         def request() -> tuple[dict, None]:
-            return self._getter.list_page(self.bucket, params), None
+            return self._requests.list_page(self.bucket, params), None
         return self._call("list", full, lambda: self._timed("list", request)[0], missing)
 
     # --- writes ---
@@ -443,7 +395,7 @@ class S3Store(ObjectStore):
         else:
             response = self._simple("put", key, "put_object", Bucket=self.bucket, Key=key, Body=data,
                                     ContentMD5=_md5(data))
-        return ObjectInfo(path=path, size=len(data), mtime=time.time(), etag=_etag(response.get("ETag")))
+        return ObjectInfo(path=path, size=len(data), mtime=time.time(), etag=etag_of(response.get("ETag")))
 
     def start_upload(self, path: str) -> str:
         key = self._root + path
@@ -460,7 +412,7 @@ class S3Store(ObjectStore):
                                     UploadId=upload_id, PartNumber=number, Body=data, ContentMD5=_md5(data))
         if not response.get("ETag"):
             raise BadResponse(f"upload_part {self._url(key)}: part {number} answered without an ETag")
-        return _etag(response.get("ETag"))
+        return etag_of(response.get("ETag"))
 
     def finish_upload(self, path: str, upload_id: str, parts: list[tuple[int, str]], size: int) -> ObjectInfo:
         key = self._root + path
