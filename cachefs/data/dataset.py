@@ -1,0 +1,142 @@
+"""The native loader: a packed dataset read without FUSE's per-file cost.
+
+``PackedDataset`` is map-style (``len``, ``ds[i]`` -> (path, bytes), ``ds.get(path)``);
+``PackedIterableDataset`` reads whole shards sequentially in an order from (seed, epoch) that does
+not depend on the number of ranks or workers, splits it among ranks and DataLoader workers with
+padding (equal counts, no hang), and resumes with ``state_dict`` / ``load_state_dict``. Both
+subclass torch's Dataset / IterableDataset when torch is installed, and work without it.
+"""
+
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from cachefs.packfmt import PackedIndex
+from cachefs.packfmt.store_index import open_local_index
+
+from .order import consumer_share, epoch_order
+from .shards import ShardFiles
+
+
+def _torch_bases() -> tuple[type, type]:
+    if importlib.util.find_spec("torch") is None:
+        return object, object
+    from torch.utils.data import Dataset, IterableDataset
+    return Dataset, IterableDataset
+
+
+_MapBase, _IterableBase = _torch_bases()
+Sample = tuple[str, bytes]
+
+
+class _Packed:
+    def __init__(self, root: str | Path, transform: Callable[[str, bytes], object] | None = None) -> None:
+        self.root = Path(root)
+        self.manifest, self.index = open_local_index(self.root)
+        self.files = ShardFiles(self.root, self.index)
+        self.transform = transform
+
+    def _sample(self, row: int, data: bytes):
+        path = self.index.path(row)
+        return self.transform(path, data) if self.transform else (path, data)
+
+
+class PackedDataset(_Packed, _MapBase):
+    """Map-style: sample ``i`` is the i-th file in path order."""
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int):
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        row = i % len(self)
+        return self._sample(row, self.files.read(row))
+
+    def get(self, path: str) -> bytes:
+        """The bytes of the original file ``path``; KeyError if it is not in the dataset."""
+        row = self.index.find(path)
+        if row is None:
+            raise KeyError(path)
+        return self.files.read(row)
+
+
+class PackedIterableDataset(_Packed, _IterableBase):
+    """Whole shards in a seeded order, split among ranks and workers, resumable mid-epoch."""
+
+    def __init__(self, root: str | Path, *, seed: int = 0, shuffle: bool = True, rank: int | None = None,
+                 world_size: int | None = None, transform: Callable[[str, bytes], object] | None = None) -> None:
+        super().__init__(root, transform)
+        self.seed, self.epoch, self.shuffle = seed, 0, shuffle
+        self.rank, self.world_size = _distributed(rank, world_size)
+        self._groups = self.index.rows_by_shard()
+        self._start = 0          # samples of this epoch consumed before this iteration (resume)
+        self._yielded = 0        # samples this process yielded in this epoch since _start
+        self._consumers = self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._start, self._yielded = epoch, 0, 0
+
+    def order(self):
+        """This epoch's global sample order (identical for every rank and worker count)."""
+        return epoch_order(self._groups, self.seed, self.epoch, self.shuffle)
+
+    def samples_per_consumer(self, num_workers: int = 1) -> int:
+        """What each rank x worker yields this epoch (the same for all: the tail is padded)."""
+        remaining = max(0, len(self.index) - self._start)
+        consumers = self.world_size * max(1, num_workers)
+        return -(-remaining // consumers)
+
+    def __iter__(self) -> Iterator:
+        consumer, consumers = self._consumer()
+        share = consumer_share(self.order(), self._start, consumer, consumers)
+        self._consumers = consumers
+        try:
+            for row in share:
+                row = int(row)
+                data = self.files.read_mapped(row)
+                self._yielded += 1
+                yield self._sample(row, data)
+        finally:
+            self.files.release()
+
+    def _consumer(self) -> tuple[int, int]:
+        worker, workers = _worker()
+        return self.rank * workers + worker, self.world_size * workers
+
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """(seed, epoch, samples consumed by all ranks and workers). ``consumed`` defaults to what this
+        process yielded times the number of consumers (consumers advance in lockstep); with DataLoader
+        workers the main process does not see their counts: pass ``consumed`` (e.g. step x global batch)."""
+        if consumed is None:
+            consumed = self._start + self._yielded * self._consumers
+        return {"seed": self.seed, "epoch": self.epoch, "consumed": min(int(consumed), len(self.index))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        self._start, self._yielded = int(state["consumed"]), 0
+
+
+def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    return rank, world_size
+
+
+def _worker() -> tuple[int, int]:
+    """(worker id, workers) of the DataLoader worker process running this, or (0, 1)."""
+    data = sys.modules.get("torch.utils.data")
+    info = data.get_worker_info() if data is not None else None
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+def open_packed(root: str | Path) -> tuple[object, PackedIndex]:
+    """The manifest and index of a local packed dataset (for tools that want the table itself)."""
+    return open_local_index(root)

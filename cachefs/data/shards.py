@@ -1,0 +1,77 @@
+"""Reading files out of a local packed dataset (a directory or a cachefs mount of one): ``pread``
+of a file's data range, or a whole shard mapped and read ahead; every file's crc32c is checked.
+Open files and mappings belong to one process (DataLoader workers fork) and are never pickled."""
+
+import mmap
+import os
+from pathlib import Path
+
+from cachefs.packfmt import CorruptRecord, PackedIndex
+from cachefs.packfmt.tfrecord import crc32c
+
+
+class ShardFiles:
+    def __init__(self, root: Path, index: PackedIndex) -> None:
+        self.root = root
+        self.names = index.shards.column("name").to_pylist()
+        columns = index.files
+        self.shard = columns.column("shard").to_numpy()
+        self.offset = columns.column("data_offset").to_numpy()
+        self.length = columns.column("data_length").to_numpy()
+        self.crc = columns.column("crc32c").to_numpy()
+        self._fds: dict[int, int] = {}
+        self._pid = os.getpid()
+        self._mapped: tuple[int, mmap.mmap] | None = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_fds={}, _mapped=None)
+        return state
+
+    def _fd(self, shard: int) -> int:
+        if self._pid != os.getpid():          # a forked worker: the parent's descriptors are not ours to use
+            self._fds, self._mapped, self._pid = {}, None, os.getpid()
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
+        return fd
+
+    def read(self, row: int) -> bytes:
+        """The bytes of file ``row``: one pread, crc-checked."""
+        shard, offset, length = int(self.shard[row]), int(self.offset[row]), int(self.length[row])
+        data = os.pread(self._fd(shard), length, offset)
+        return self._checked(row, data)
+
+    def read_mapped(self, row: int) -> bytes:
+        """The same from the whole shard mapped and read ahead (sequential whole-shard reads)."""
+        shard = int(self.shard[row])
+        view = self._map(shard)
+        offset, length = int(self.offset[row]), int(self.length[row])
+        return self._checked(row, view[offset:offset + length])
+
+    def _map(self, shard: int) -> mmap.mmap:
+        if self._mapped is not None and self._mapped[0] == shard and self._pid == os.getpid():
+            return self._mapped[1]
+        self.release()
+        fd = self._fd(shard)
+        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        mapped.madvise(mmap.MADV_WILLNEED)
+        self._mapped = (shard, mapped)
+        return mapped
+
+    def release(self) -> None:
+        if self._mapped is not None:
+            self._mapped[1].close()
+            self._mapped = None
+
+    def _checked(self, row: int, data: bytes) -> bytes:
+        if len(data) != int(self.length[row]) or crc32c(data) != int(self.crc[row]):
+            name = self.names[int(self.shard[row])]
+            raise CorruptRecord(f"shard {name}: file row {row} fails its crc32c (corrupt or truncated shard)")
+        return data
+
+    def close(self) -> None:
+        self.release()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}

@@ -1,0 +1,159 @@
+"""The native loader over a local packed directory: map-style reads and lookups, the (seed, epoch)
+order identical across world sizes, resume mid-epoch, no hang with fewer shards than workers,
+crc mismatches raised, and torch DataLoader workers."""
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachefs.data import PackedDataset, PackedIterableDataset, consumer_share, epoch_order
+from cachefs.metrics import Metrics
+from cachefs.packfmt import CorruptRecord
+from cachefs.store import open_store
+from packer.engine import Worker, plan_pack
+from packer.merge import merge
+from packer.options import PackOptions
+from packer.progress import Progress
+from packer.stores import to_url
+
+
+def content(path: str) -> bytes:
+    return hashlib.sha256(path.encode()).digest() * (1 + len(path) % 7)
+
+
+def make_packed(root: Path, n: int, shard_size: int) -> dict[str, bytes]:
+    files = {f"c{i % 5}/img{i:04d}.jpg": b"" for i in range(n)}
+    files = {p: content(p) for p in files}
+    for path, data in files.items():
+        (root / "src" / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / "src" / path).write_bytes(data)
+    options = PackOptions(shard_size=shard_size, concurrency=4)
+    src = open_store(to_url(str(root / "src")), metrics=Metrics())
+    dst = open_store(to_url(str(root / "packed")), metrics=Metrics())
+    Worker(src, dst, "file://src", options, Progress("pack", quiet=True)).run(plan_pack(src, dst, None, options))
+    merge(dst)
+    return files
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
+    root = tmp_path_factory.mktemp("packed")
+    files = make_packed(root, 203, shard_size=1024)
+    return root / "packed", files
+
+
+def paths_of(samples) -> list[str]:
+    return [p for p, _ in samples]
+
+
+def test_map_style_reads_every_file_in_path_order_and_by_path(packed):
+    root, files = packed
+    ds = PackedDataset(root)
+    assert len(ds) == len(files) and ds.index.shards.num_rows > 10
+    assert [ds[i] for i in range(len(ds))] == sorted(files.items())
+    assert ds[-1] == sorted(files.items())[-1]
+    assert ds.get("c3/img0008.jpg") == files["c3/img0008.jpg"]
+    with pytest.raises(KeyError):
+        ds.get("c3/nope.jpg")
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def interleave(shares: list[list[str]]) -> list[str]:
+    return [share[k] for k in range(len(shares[0])) for share in shares]
+
+
+def test_order_is_identical_across_world_sizes_and_differs_across_epochs(packed):
+    root, files = packed
+    reference = paths_of(PackedIterableDataset(root, seed=11))
+    assert sorted(reference) == sorted(files) and reference != sorted(files)
+    for world in (2, 3, 7):
+        shares = [paths_of(PackedIterableDataset(root, seed=11, rank=r, world_size=world)) for r in range(world)]
+        assert len({len(s) for s in shares}) == 1            # equal counts: padded, nobody waits
+        assert interleave(shares)[:len(files)] == reference
+    other_epoch = PackedIterableDataset(root, seed=11)
+    other_epoch.set_epoch(1)
+    assert sorted(paths_of(other_epoch)) == sorted(files) and paths_of(other_epoch) != reference
+    assert paths_of(PackedIterableDataset(root, seed=12)) != reference
+    assert paths_of(PackedIterableDataset(root, seed=11)) == reference
+
+
+def test_a_consumer_reads_one_shard_after_another(packed):
+    root, _ = packed
+    ds = PackedIterableDataset(root, seed=3)
+    shards = [int(ds.files.shard[ds.index.find(p)]) for p in paths_of(ds)]
+    switches = sum(1 for a, b in zip(shards, shards[1:], strict=False) if a != b)
+    assert switches == ds.index.shards.num_rows - 1
+
+
+def test_resume_mid_epoch_gives_exactly_the_remaining_samples(packed):
+    root, files = packed
+    full = paths_of(PackedIterableDataset(root, seed=5))
+    first = PackedIterableDataset(root, seed=5)
+    first.set_epoch(0)
+    it = iter(first)
+    seen = [next(it)[0] for _ in range(77)]
+    state = first.state_dict()
+    assert state == {"seed": 5, "epoch": 0, "consumed": 77}
+    resumed = PackedIterableDataset(root, seed=999)
+    resumed.load_state_dict(state)
+    assert seen + paths_of(resumed) == full
+    # resumed on another world size: the union of the ranks' shares is exactly the rest
+    shares = []
+    for r in range(3):
+        ds = PackedIterableDataset(root, rank=r, world_size=3)
+        ds.load_state_dict(state)
+        shares.append(paths_of(ds))
+    assert interleave(shares)[:len(files) - 77] == full[77:]
+
+
+def test_order_helpers_pad_evenly_when_consumers_outnumber_samples():
+    order = epoch_order([np.array([0, 1]), np.array([2])], seed=1, epoch=0)
+    shares = [consumer_share(order, 0, c, 8).tolist() for c in range(8)]
+    assert all(len(s) == 1 for s in shares) and sorted({x for s in shares for x in s}) == [0, 1, 2]
+    assert [consumer_share(order, 3, c, 4).tolist() for c in range(4)] == [[], [], [], []]
+
+
+def test_a_corrupted_shard_raises_instead_of_yielding_wrong_bytes(packed, tmp_path):
+    root, files = packed
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    ds = PackedDataset(copy)
+    row = ds.index.find("c1/img0011.jpg")
+    shard = copy / "shards" / ds.index.shards.column("name")[int(ds.files.shard[row])].as_py()
+    data = bytearray(shard.read_bytes())
+    data[int(ds.files.offset[row]) + 3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptRecord, match="crc32c"):
+        PackedDataset(copy)[row]
+    with pytest.raises(CorruptRecord, match="crc32c"):
+        list(PackedIterableDataset(copy, seed=0))
+
+
+def collate(batch):
+    return batch
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_read_everything(packed):
+    torch_data = pytest.importorskip("torch.utils.data")
+    root, files = packed
+    mapped = torch_data.DataLoader(PackedDataset(root), batch_size=16, num_workers=2, collate_fn=collate)
+    assert sorted(s for batch in mapped for s in batch) == sorted(files.items())
+    iterable = torch_data.DataLoader(PackedIterableDataset(root, seed=2), batch_size=None, num_workers=2)
+    got = list(iterable)
+    per_worker = -(-len(files) // 2)
+    assert len(got) == 2 * per_worker and dict(got) == files
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_does_not_hang_with_fewer_shards_than_workers(tmp_path):
+    torch_data = pytest.importorskip("torch.utils.data")
+    files = make_packed(tmp_path, 3, shard_size=1 << 20)
+    ds = PackedIterableDataset(tmp_path / "packed", seed=0, rank=1, world_size=3)
+    assert ds.index.shards.num_rows == 1
+    got = list(torch_data.DataLoader(ds, batch_size=None, num_workers=2))   # 6 consumers, 3 samples, 1 shard
+    assert len(got) == 2 and set(dict(got)) <= set(files)     # one each: padded by wrapping around
