@@ -84,11 +84,16 @@ class Driver:
                 return None
             raise
 
-    async def _parent(self, rel: str) -> tuple[Node, str, Node | None]:
+    async def _dir(self, rel: str) -> tuple[Node, str]:
+        """The parent directory of ``rel`` (walked as the kernel does) and the last name."""
         parent_path, name = split(self._full(rel))
         parent = await self._walk(parent_path)
         if not parent.is_dir:
             raise OSError(errno.ENOTDIR, rel)
+        return parent, name
+
+    async def _parent(self, rel: str) -> tuple[Node, str, Node | None]:
+        parent, name = await self._dir(rel)
         return parent, name, await self._child(parent, name)
 
     async def call(self, name: str, *args):
@@ -201,10 +206,12 @@ class Driver:
     async def _rename(self, src: str, dst: str, flags: int = 0) -> None:
         """The checks of Linux ``renameat2`` before it calls the filesystem, in its order."""
         old, new = self._full(src), self._full(dst)
-        old_parent, old_name, old_node = await self._parent(src)
+        old_parent, old_name = await self._dir(src)        # both parents first, then the names
+        new_parent, new_name = await self._dir(dst)
+        old_node = await self._child(old_parent, old_name)
         if old_node is None:
             raise OSError(errno.ENOENT, src)
-        new_parent, new_name, new_node = await self._parent(dst)
+        new_node = await self._child(new_parent, new_name)
         if new.startswith(old + "/"):
             raise OSError(errno.EINVAL, "a directory cannot move below itself")
         if old.startswith(new + "/"):

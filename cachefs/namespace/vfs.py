@@ -270,7 +270,7 @@ class Vfs:
         handle = self.handles[fh]
         node = handle.node
         entry = node.staged if node.staged is not None else handle.entry
-        if entry is not None and entry.fd >= 0:
+        if entry is not None and entry.readable:
             return self.wb.read(entry, offset, size)
         if handle.file is None:      # opened while staged, since uploaded: read that version
             handle.file = FileVersion(node.path, node.etag, node.size)
@@ -345,7 +345,7 @@ class Vfs:
     async def fsync(self, fh: int) -> None:
         handle = self.handles[fh]
         entry = handle.entry or handle.node.staged
-        if entry is not None and entry.fd >= 0:
+        if entry is not None and entry.readable:
             await self.wb.fsync(entry, remote=self.fsync_remote)
 
     async def setattr(self, inode: int, size: int | None, mtime: float | None) -> Node:
@@ -358,7 +358,8 @@ class Vfs:
             await self.wb.truncate(entry, size)
             node.show(entry)
         if mtime is not None and node.staged is not None:
-            node.staged.mtime = node.mtime = mtime
+            self.wb.set_mtime(node.staged, mtime)
+            node.mtime = mtime
         return node
 
     async def _parent_state(self, parent_inode: int) -> tuple[Node, DirState]:

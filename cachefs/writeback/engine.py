@@ -382,6 +382,10 @@ class Writeback:
         self._resize(entry, size)
         entry.touch(size, time.time())
 
+    def set_mtime(self, entry: StagedFile, mtime: float) -> None:
+        """``utimes`` on a staged file (the store's LastModified wins after the upload)."""
+        entry.mtime = mtime
+
     def _resize(self, entry: StagedFile, size: int) -> None:
         if not entry.deleted:
             self.staged_bytes += size - entry.size

@@ -61,6 +61,11 @@ class StagedFile:
         return self.record.id
 
     @property
+    def readable(self) -> bool:
+        """Its staging file is still open (not retired, or deleted and released)."""
+        return self.fd >= 0
+
+    @property
     def dirty(self) -> bool:
         """Some write is not yet in the store (no finished upload covers it)."""
         return self.unsynced_since is not None
