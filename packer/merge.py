@@ -43,6 +43,7 @@ def merge(dst: ObjectStore) -> Manifest:
     PackedIndex(files, shards)   # validates: sorted, unique, inside the shards
     manifest = _publish(dst, previous, marker, files, shards)
     _drop_work(dst, generation)
+    _drop_orphan_shards(dst, manifest.shards)
     return manifest
 
 
@@ -105,6 +106,14 @@ def _publish(dst: ObjectStore, previous: Manifest | None, marker: WorkerMarker, 
                         tombstones=tombstones, generations=generations)
     write_manifest(dst, manifest)
     return manifest
+
+
+def _drop_orphan_shards(dst: ObjectStore, shards: int) -> None:
+    """Shards an interrupted run wrote beyond what was published (its plan had more shards)."""
+    for info in list(dst.list_all("shards/")):
+        number = info.path.removeprefix("shards/").split(".", 1)[0]
+        if number.isdigit() and int(number) >= shards:
+            dst.delete(info.path)
 
 
 def _drop_work(dst: ObjectStore, generation: int) -> None:

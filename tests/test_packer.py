@@ -326,3 +326,32 @@ def test_json_progress_lines_end_with_a_summary(tmp_path, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[0]["event"] == "progress" and lines[-1]["event"] == "summary"
     assert lines[-1]["total_files"] == len(files) and lines[-1]["done_files"] == len(files)
+
+
+def test_an_s3_object_overwritten_during_the_pack_publishes_nothing(s3_server, bucket):
+    client = s3_client(s3_server.endpoint_url)
+    files = {f"f{i:02d}": bytes([i]) * 500 for i in range(20)}
+    put_tree(client, bucket, "src", files)
+    opts = PackOptions(shard_size=4096, concurrency=4)
+    src = open_store(f"s3://{bucket}/src", metrics=Metrics(), endpoint_url=s3_server.endpoint_url)
+    dst = open_store(f"s3://{bucket}/dst", metrics=Metrics(), endpoint_url=s3_server.endpoint_url)
+    plan = plan_pack(src, dst, None, opts)
+    client.put_object(Bucket=bucket, Key="src/f13", Body=b"same size, new bytes".ljust(500, b"!"))
+    with pytest.raises(SourceChanged, match="f13"):
+        Worker(src, dst, f"s3://{bucket}/src", opts, Progress("pack", quiet=True)).run(plan)
+    with pytest.raises(NoSuchKey):
+        open_index(dst)
+
+
+def test_a_rerun_after_the_source_shrank_drops_the_unpublished_shards(tmp_path):
+    files = make_tree(tmp_path / "src", n=80)
+    with pytest.raises(KeyboardInterrupt):
+        run_worker(tmp_path / "src", tmp_path / "dst", lambda s: Interrupting(s, after=70))
+    written = len(list((tmp_path / "dst/shards").glob("*.tfrecord")))
+    for path in sorted(files)[20:]:
+        (tmp_path / "src" / path).unlink()
+    assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "20K") == 0
+    shards = json.loads((tmp_path / "dst" / MANIFEST).read_text())["shards"]
+    assert shards < written
+    assert len(list((tmp_path / "dst/shards").glob("*.tfrecord"))) == shards
+    assert pack("--verify", tmp_path / "dst") == 0

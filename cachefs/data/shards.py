@@ -22,6 +22,7 @@ class ShardFiles:
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
         self._mapped: tuple[int, mmap.mmap] | None = None
+        self._can_map = True     # False where the file system refuses mmap (then one pread per file)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -45,16 +46,22 @@ class ShardFiles:
     def read_mapped(self, row: int) -> bytes:
         """The same from the whole shard mapped and read ahead (sequential whole-shard reads)."""
         shard = int(self.shard[row])
-        view = self._map(shard)
+        view = self._map(shard) if self._can_map else None
+        if view is None:
+            return self.read(row)
         offset, length = int(self.offset[row]), int(self.length[row])
         return self._checked(row, view[offset:offset + length])
 
-    def _map(self, shard: int) -> mmap.mmap:
+    def _map(self, shard: int) -> mmap.mmap | None:
         if self._mapped is not None and self._mapped[0] == shard and self._pid == os.getpid():
             return self._mapped[1]
         self.release()
         fd = self._fd(shard)
-        mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        try:
+            mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        except (OSError, ValueError):     # e.g. a FUSE file opened with direct_io
+            self._can_map = False
+            return None
         mapped.madvise(mmap.MADV_WILLNEED)
         self._mapped = (shard, mapped)
         return mapped
