@@ -12,7 +12,7 @@ from cachefs.packfmt.shard import ShardBuilder
 from cachefs.packfmt.store_index import open_index
 from cachefs.store import ObjectStore
 
-from .fetch import fetch_source, in_order
+from .fetch import fetch_ranges, fetch_source, in_order
 from .fragment import WorkerMarker, fragment_bytes, read_fragment
 from .layout import fragment_path, idx_path, marker_path
 from .options import PackOptions
@@ -77,10 +77,10 @@ class Worker:
         path = shard_path(shard.number)
         sink = ShardSink(self.dst, path, self.options.part_size)
         try:
-            fetch = partial(fetch_source, self.src)
+            fetch = partial(fetch_source, self.src, self.options.stream_above)
             for f, data in in_order(pool, shard.files, fetch, self.options.concurrency * 2):
-                sink.write(builder.add(f.path, data, mtime=f.mtime, mode=f.mode, etag=f.etag))
-                self.progress.file_done(len(data))
+                self._add(pool, builder, sink, f, data)
+                self.progress.file_done(f.size)
             info = sink.finish()
         except BaseException:
             sink.abort()
@@ -88,6 +88,16 @@ class Worker:
         self.dst.put(idx_path(path), builder.idx_bytes())
         self.dst.put(fragment_path(plan.generation, shard.number),
                      fragment_bytes(builder.rows, builder.shard_row(info.etag), plan.fingerprint))
+
+    def _add(self, pool: ThreadPoolExecutor, builder: ShardBuilder, sink: ShardSink, f: SourceFile,
+             data: bytes | None) -> None:
+        meta = {"mtime": f.mtime, "mode": f.mode, "etag": f.etag}
+        if data is not None:
+            sink.write(builder.add(f.path, data, **meta))
+            return
+        chunks = fetch_ranges(pool, self.src, f, self.options.range_size, self.options.ranges_in_flight)
+        for piece in builder.add_streamed(f.path, f.size, chunks, **meta):
+            sink.write(piece)
 
     def _commit(self, plan: Plan) -> None:
         i, n = self.options.worker_index, self.options.worker_count

@@ -21,3 +21,6 @@ class PackOptions:
     worker_count: int = 1
     append: bool = False
     part_size: int = PART_SIZE
+    stream_above: int = 1 << 20     # larger files are fetched in ranges and streamed, never held whole
+    range_size: int = 8 << 20       # one ranged GET of a streamed file
+    ranges_in_flight: int = 8       # so at most 2 x concurrency small files + 64 MiB of ranges in memory

@@ -355,3 +355,16 @@ def test_a_rerun_after_the_source_shrank_drops_the_unpublished_shards(tmp_path):
     assert shards < written
     assert len(list((tmp_path / "dst/shards").glob("*.tfrecord"))) == shards
     assert pack("--verify", tmp_path / "dst") == 0
+
+
+def test_large_files_streamed_in_ranges_give_the_same_shards(tmp_path):
+    make_tree(tmp_path / "src", n=60)
+    write_tree(tmp_path / "src", {"huge/a.bin": random.Random(3).randbytes(50_000)})
+    assert pack(tmp_path / "src", tmp_path / "whole", "--shard-size", "20K") == 0
+    counted = Interrupting(None, after=None)
+    run_worker(tmp_path / "src", tmp_path / "streamed", lambda s: setattr(counted, "store", s) or counted,
+               stream_above=1000, range_size=700, ranges_in_flight=3)
+    assert pack("--merge", tmp_path / "streamed") == 0
+    assert shard_bytes(tmp_path / "streamed") == shard_bytes(tmp_path / "whole")
+    assert index_rows(tmp_path / "streamed") == index_rows(tmp_path / "whole")
+    assert counted.gets > 61 + 50_000 // 700           # the big files came in ranges

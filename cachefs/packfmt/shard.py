@@ -1,9 +1,13 @@
 """Building one shard: frames records, tracks offsets and the shard's checksum, and yields the
-index rows and the ``.idx`` sidecar. Bytes go wherever the caller streams them."""
+index rows and the ``.idx`` sidecar. Bytes go wherever the caller streams them; a large file's
+record can be produced from its chunks without holding the file in memory."""
 
+from collections.abc import Iterable, Iterator
+
+from cachefs.packfmt.errors import SourceChanged
 from cachefs.packfmt.index import shard_name
 from cachefs.packfmt.sidecar import render_idx
-from cachefs.packfmt.tfrecord import HEADER, crc32c, encode_example, frame
+from cachefs.packfmt.tfrecord import crc32c, example_head, frame_footer, frame_header, frame_length
 
 
 class ShardBuilder:
@@ -16,17 +20,34 @@ class ShardBuilder:
 
     def add(self, path: str, data: bytes, *, mtime: float, mode: int, etag: str) -> bytes:
         """The framed record of one file (to be written next); its index row is kept."""
-        payload, data_in_payload = encode_example(path.encode(), data)
-        record = frame(payload)
+        return b"".join(self.add_streamed(path, len(data), [data], mtime=mtime, mode=mode, etag=etag))
+
+    def add_streamed(self, path: str, size: int, chunks: Iterable[bytes], *, mtime: float, mode: int,
+                     etag: str) -> Iterator[bytes]:
+        """The record of a ``size``-byte file whose bytes arrive as ``chunks``, piece by piece; the
+        index row is kept once the last piece is out. SourceChanged if the chunks are not ``size``."""
+        head = example_head(path.encode(), size)
+        header = frame_header(len(head) + size)
+        start, payload_crc, data_crc, seen = self.size, crc32c(head), 0, 0
+        for piece in (header, head):
+            yield self._out(piece)
+        for chunk in chunks:
+            payload_crc, data_crc, seen = crc32c(chunk, payload_crc), crc32c(chunk, data_crc), seen + len(chunk)
+            yield self._out(chunk)
+        if seen != size:
+            raise SourceChanged(f"source object {path!r}: {seen} bytes read, {size} listed")
+        yield self._out(frame_footer(payload_crc))
         self.rows.append({
-            "path": path, "shard": self.number, "record_offset": self.size, "record_length": len(record),
-            "data_offset": self.size + HEADER + data_in_payload, "data_length": len(data),
-            "crc32c": crc32c(data), "size": len(data), "mtime": float(mtime), "mode": int(mode),
-            "etag": etag, "generation": self.generation,
+            "path": path, "shard": self.number, "record_offset": start, "record_length": frame_length(
+                len(head) + size), "data_offset": start + len(header) + len(head), "data_length": size,
+            "crc32c": data_crc, "size": size, "mtime": float(mtime), "mode": int(mode), "etag": etag,
+            "generation": self.generation,
         })
-        self.size += len(record)
-        self.checksum = crc32c(record, self.checksum)
-        return record
+
+    def _out(self, piece: bytes) -> bytes:
+        self.size += len(piece)
+        self.checksum = crc32c(piece, self.checksum)
+        return piece
 
     def shard_row(self, etag: str) -> dict:
         return {"shard": self.number, "name": shard_name(self.number), "bytes": self.size,

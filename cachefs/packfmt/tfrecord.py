@@ -26,15 +26,29 @@ def crc32c(data: bytes | memoryview, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
-def masked_crc(data: bytes | memoryview) -> int:
-    crc = _crc32c.crc32c(data)
+def mask(crc: int) -> int:
+    """TFRecord's masking of a crc32c."""
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def masked_crc(data: bytes | memoryview) -> int:
+    return mask(_crc32c.crc32c(data))
+
+
+def frame_header(payload_length: int) -> bytes:
+    """The 12 bytes before a payload of ``payload_length`` bytes."""
+    length = _LEN.pack(payload_length)
+    return length + _CRC.pack(masked_crc(length))
+
+
+def frame_footer(payload_crc: int) -> bytes:
+    """The 4 bytes after a payload whose plain crc32c is ``payload_crc``."""
+    return _CRC.pack(mask(payload_crc))
 
 
 def frame(payload: bytes) -> bytes:
     """One TFRecord: header, payload, footer."""
-    length = _LEN.pack(len(payload))
-    return b"".join((length, _CRC.pack(masked_crc(length)), payload, _CRC.pack(masked_crc(payload))))
+    return b"".join((frame_header(len(payload)), payload, frame_footer(_crc32c.crc32c(payload))))
 
 
 def frame_length(payload_length: int) -> int:
