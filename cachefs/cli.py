@@ -18,7 +18,9 @@ EXIT_CODES = """exit codes:
   3 bucket/prefix not found   4 credentials refused       5 object store unreachable
   6 mountpoint missing, busy or not mounted               7 /dev/fuse or fusermount3 missing
   8 cache dir unwritable or full   9 no daemon at that mountpoint
-  10 timed out (mount not ready; sync --wait or umount could not upload all in time)"""
+  10 timed out (mount not ready; sync --wait or umount could not upload all in time)
+  13 refused: only root and the mount's owner may change it (sync, warmup, evict, pin)
+  14 the daemon does not support that command or protocol (remount with this version)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,14 +98,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 def _drain(mountpoint: str, timeout: float) -> None:
     """Upload everything staged before unmounting; refuse to unmount if it does not finish in time."""
-    from cachefs.control.client import request
+    from cachefs.control.client import hello, request
 
+    if "sync" not in hello(mountpoint)["commands"]:
+        return          # a read-only mount: nothing to drain
     final = {}
     for reply in request(mountpoint, "sync", wait=True, timeout=timeout):
-        if "error" in reply:
-            if reply["error"].startswith("bad request"):
-                return          # a read-only mount: nothing to drain
-            raise CachefsError(reply["error"])
         final = reply
     if final.get("done", True):
         return
@@ -115,16 +115,15 @@ def _drain(mountpoint: str, timeout: float) -> None:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from cachefs.control.client import request
+    from cachefs.control.client import hello, request
     from cachefs.control.status_view import pending_line
 
+    mountpoint = os.path.abspath(args.mountpoint)
+    if "sync" not in hello(mountpoint)["commands"]:
+        raise UsageError(f"{args.mountpoint} is a read-only mount: nothing to sync")
     final = {}
-    for reply in request(os.path.abspath(args.mountpoint), "sync", wait=args.wait, timeout=args.timeout,
+    for reply in request(mountpoint, "sync", wait=args.wait, timeout=args.timeout,
                          **({"class": args.sync_class} if args.sync_class else {})):
-        if "error" in reply:
-            if reply["error"].startswith("bad request"):
-                raise UsageError(f"{args.mountpoint} is a read-only mount: nothing to sync")
-            raise CachefsError(reply["error"])
         if "progress" in reply and sys.stderr.isatty():
             print(f"\rcachefs: {pending_line(reply['progress'])}", end="", file=sys.stderr)
         final = reply
@@ -141,8 +140,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     from cachefs.control.status_view import render
 
     status = next(request(os.path.abspath(args.mountpoint), "status"))
-    if "error" in status:
-        raise CachefsError(status["error"])
     print(json.dumps(status, indent=2) if args.json else render(status))
     return 0
 
@@ -157,8 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cachefs", description="A caching FUSE filesystem for ML datasets on S3 / Ceph RGW.",
                      epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
-                                metavar="{mount,umount,status,sync,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     mount = sub.add_parser("mount", help="mount a bucket prefix with a memory and a disk cache tier",
                            epilog=EXIT_CODES + "\n\nCredentials come from the standard AWS chain "
@@ -199,7 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("ready_fd")
     daemon.set_defaults(func=cmd_daemon)
     _add_plugin_commands(sub)
+    sub.metavar = "{" + ",".join(public_commands(sub)) + "}"
     return parser
+
+
+def public_commands(sub: argparse._SubParsersAction) -> list[str]:
+    """Every subcommand a user may type (the core's and the plugins'), in registration order."""
+    return [name for name in sub.choices if not name.startswith("_")]
 
 
 def _add_plugin_commands(sub) -> None:

@@ -19,6 +19,7 @@ import trio
 
 from cachefs import __version__
 from cachefs.config import MountConfig
+from cachefs.control.commands import command_table
 from cachefs.control.server import Control
 from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError, NoSuchKey
 from cachefs.fuse_ops import Operations
@@ -62,17 +63,14 @@ class Daemon:
         self.writeback: Writeback | None = make_writeback(cfg, store, metrics) if cfg.writable else None
         self.vfs = Vfs(store, self.tiers, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable,
                        writeback=self.writeback, fsync_remote=cfg.fsync == "remote")
-        self.control = Control(self.vfs.new_fh)
-        self.control.register("status", self._status_command)
         self.warmer = Warmer(self.vfs, self.tiers, store, metrics,
                              max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
                              dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget)
-        for name, command in self.warmer.commands().items():
-            self.control.register(name, command)
-        if self.writeback is not None:
-            self.control.register("sync", self._sync_command)
         uid = os.getuid() if cfg.uid is None else cfg.uid
         gid = os.getgid() if cfg.gid is None else cfg.gid
+        commands = command_table(self.status, self.warmer.commands(),
+                                 self._sync_command if self.writeback is not None else None)
+        self.control = Control(self.vfs.new_fh, commands, owner_uid=uid)
         self.ops = Operations(self.vfs, self.control, metrics, uid=uid, gid=gid, file_mode=cfg.file_mode,
                               dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable)
 
@@ -95,9 +93,6 @@ class Daemon:
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
                 "writeback": self.writeback.status() if self.writeback else None,
                 "warmup": self.warmer.status()}
-
-    async def _status_command(self, args: dict) -> AsyncIterator[dict]:
-        yield self.status()
 
     async def _sync_command(self, args: dict) -> AsyncIterator[dict]:
         from cachefs.writeback.commands import sync_command

@@ -20,6 +20,9 @@ class ExitCode:
     CACHE_DIR = 8       # cache dir unwritable, or its disk is full
     NO_DAEMON = 9       # no cachefs daemon answers at that mountpoint
     TIMEOUT = 10        # the daemon did not become ready in time
+    # 11 and 12 are `cachefs warmup`'s (some files failed; refused: does not fit)
+    PERMISSION = 13     # the daemon refused the caller: only root and the mount's owner change it
+    UNSUPPORTED = 14    # the daemon does not know that command or control protocol version
 
 
 class CachefsError(Exception):
@@ -98,6 +101,20 @@ class NoDaemon(CachefsError):
 
 class StartTimeout(CachefsError):
     exit_code = ExitCode.TIMEOUT
+
+
+class PermissionDenied(CachefsError):
+    """A control command that changes state, asked by a user other than root or the mount's owner."""
+
+    exit_code = ExitCode.PERMISSION
+    errno = errno.EACCES
+
+
+class Unsupported(CachefsError):
+    """The daemon does not know a control command (sync on a read-only mount) or protocol version."""
+
+    exit_code = ExitCode.UNSUPPORTED
+    errno = errno.EOPNOTSUPP
 
 
 class CorruptBlock(CachefsError):

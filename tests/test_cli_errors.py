@@ -265,3 +265,29 @@ def test_mount_without_dev_fuse_exits_7(monkeypatch, paths, capsys):
                           "to the container"
     assert find_mount(str(paths[0])) is None
 
+
+
+# --- --help: every subcommand in the usage line (issue 13 item 6) --------------------------------
+
+def test_usage_line_lists_every_subcommand_including_plugins():
+    from cachefs.cli import build_parser, public_commands
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    names = public_commands(sub)
+    assert {"mount", "umount", "status", "sync", "demo", "warmup"} <= set(names)   # warmup: an entry point
+    usage = parser.format_usage()
+    assert usage.startswith("usage: cachefs") and "_daemon" not in usage
+    for name in sub.choices:
+        if not name.startswith("_"):
+            assert name in usage, (name, usage)
+    shown = usage[usage.index("{") + 1:usage.index("}")].split(",")
+    assert shown == names
+    result = cachefs("--help")
+    assert result.returncode == 0 and "warmup" in result.stdout.split("\n\n")[0]
+
+
+def test_bad_subcommand_is_a_usage_error_naming_the_choices():
+    result = cachefs("defragment")
+    assert result.returncode == ExitCode.USAGE
+    assert "warmup" in result.stderr and "Traceback" not in result.stderr

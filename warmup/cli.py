@@ -9,8 +9,8 @@ import signal
 import sys
 
 from cachefs.config import parse_size
-from cachefs.control.client import request
-from cachefs.errors import CachefsError, ExitCode, UsageError
+from cachefs.control.client import hello, request
+from cachefs.errors import CachefsError, ExitCode, PermissionDenied, Unsupported, UsageError
 
 from .locate import Target, locate, one_mount
 from .manifest import read_manifest
@@ -29,6 +29,8 @@ EXIT_CODES = """exit codes:
   0 everything warmed (or --check/--evict/--unpin done)   2 bad arguments or manifest
   5 the object store failed (listing)    9 no cachefs mount or daemon serves the dataset
   11 some files failed (listed)          12 refused: the dataset does not fit the cache (--force)
+  13 refused: only root and the mount's owner may warm, evict, pin or unpin (--check is open to all)
+  14 the daemon is too old for this command (remount with this cachefs version)
   130 interrupted (Ctrl-C): run it again to fetch only what is missing"""
 
 _UPLOAD_CHUNK = 512 << 10
@@ -63,15 +65,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("use one of --check, --evict, --unpin")
     if args.concurrency < 1:
         raise UsageError("--concurrency must be >= 1")
-    mountpoint, payload = _payload(args)
+    command = "warmup_check" if args.check else "warmup_evict" if args.evict else \
+        "warmup_unpin" if args.unpin else "warmup"
+    mountpoint, payload = _payload(args, command)
     if args.check:
-        return _simple(mountpoint, "warmup_check", payload, args, lambda r: check_report(payload["label"], r))
+        return _simple(mountpoint, command, payload, args, lambda r: check_report(payload["label"], r))
     if args.evict:
-        return _simple(mountpoint, "warmup_evict", payload, args, lambda r: (
+        return _simple(mountpoint, command, payload, args, lambda r: (
             f"evicted {r['blocks']} blocks ({r['bytes']} bytes) of {r['files']} files of {payload['label']}"
             + ("; unpinned" if r["unpinned"] else "")))
     if args.unpin:
-        return _simple(mountpoint, "warmup_unpin", payload, args, lambda r: (
+        return _simple(mountpoint, command, payload, args, lambda r: (
             f"unpinned {payload['label']}" if r["unpinned"] else f"{payload['label']} was not pinned"))
     payload.update(concurrency=args.concurrency, force=args.force, pin=args.pin, detach=args.detach,
                    bandwidth_limit=parse_size(args.bandwidth_limit, "--bandwidth-limit")
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- the request ---------------------------------------------------------------------------------
-def _payload(args: argparse.Namespace) -> tuple[str, dict]:
+def _payload(args: argparse.Namespace, command: str) -> tuple[str, dict]:
     if not args.datasets and not args.manifest:
         raise UsageError("name a DATASET or a --manifest")
     targets = [locate(d) for d in args.datasets]
@@ -88,11 +92,12 @@ def _payload(args: argparse.Namespace) -> tuple[str, dict]:
     entries = [locate(p, base or _cwd_base()) for p in read_manifest(args.manifest, args.column)] \
         if args.manifest else []
     mountpoint = one_mount(targets + entries)
+    manifest_paths = [t.path for t in entries if not t.is_glob]
+    _handshake(mountpoint, [command, "warmup_paths"] if manifest_paths else [command])
     payload = {"label": args.manifest or " ".join(args.datasets)}
     plain = [t.path for t in targets if not t.is_glob] if not args.manifest else []
     payload["paths"] = plain
     payload["globs"] = [t.path for t in targets + entries if t.is_glob]
-    manifest_paths = [t.path for t in entries if not t.is_glob]
     if manifest_paths:
         payload["upload"] = _upload(mountpoint, manifest_paths)
     return mountpoint, payload
@@ -118,18 +123,25 @@ def _upload(mountpoint: str, paths: list[str]) -> str:
     return upload
 
 
+def _handshake(mountpoint: str, commands: list[str]) -> None:
+    """Ask the daemon what it supports and allows this user before sending anything (a manifest
+    upload would otherwise be refused half-way)."""
+    daemon = hello(mountpoint)
+    missing = [c for c in commands if c not in daemon["commands"]]
+    if missing:
+        raise Unsupported(f"the cachefs daemon of {mountpoint} (version {daemon['version']}) does not support "
+                          f"{', '.join(missing)}: remount it with this cachefs version")
+    restricted = [c for c in commands if c in daemon["restricted"]]
+    if restricted and not daemon["may_change"]:
+        raise PermissionDenied(f"{mountpoint}: only root and the mount's owner may warm, evict, pin or unpin "
+                               f"(--check is open to every user)")
+
+
 def _one(mountpoint: str, command: str, payload: dict) -> dict:
-    reply = next(request(mountpoint, command, **payload), {"error": "the daemon sent no reply"})
-    _raise_error(reply)
+    reply = next(request(mountpoint, command, **payload), None)
+    if reply is None:
+        raise CachefsError(f"the daemon of {mountpoint} sent no reply to {command}")
     return reply
-
-
-def _raise_error(reply: dict) -> None:
-    if "error" not in reply:
-        return
-    if reply["error"].startswith("bad request"):
-        raise UsageError("this cachefs daemon does not support warmup (upgrade it)")
-    raise CachefsError(reply["error"])
 
 
 def _simple(mountpoint: str, command: str, payload: dict, args, render) -> int:
@@ -147,7 +159,6 @@ def _warm(mountpoint: str, payload: dict, args: argparse.Namespace) -> int:
     replies = request(mountpoint, "warmup", **payload)
     try:
         for reply in replies:
-            _raise_error(reply)
             if args.json:
                 print(json.dumps(reply), flush=True)
             if reply.get("event") in ("progress", "done"):
