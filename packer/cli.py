@@ -102,6 +102,8 @@ def run_pack(args: argparse.Namespace) -> int:
 def _pack(args: argparse.Namespace, progress: Progress) -> int:
     options = _pack_options(args)
     src_arg, dst_arg = args.locations
+    if f"{to_url(dst_arg)}/".startswith(f"{to_url(src_arg)}/"):
+        raise UsageError("DST must not be SRC or inside it (the pack would list its own shards)")
     src, dst = open_location(src_arg, _stores(args)), open_location(dst_arg, _stores(args))
     plan = plan_pack(src, dst, local_root(src_arg), options)
     if not plan.shards and not plan.deleted and options.append:

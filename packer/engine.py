@@ -3,6 +3,7 @@ records out (parallel GETs in order), then its ``.idx``, then its index fragment
 commit), and finally the worker's commit marker. Rerunning skips shards whose fragment matches
 the plan, so Ctrl-C then a rerun resumes."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -102,5 +103,5 @@ class Worker:
     def _commit(self, plan: Plan) -> None:
         i, n = self.options.worker_index, self.options.worker_count
         marker = WorkerMarker(plan.fingerprint, self.source_url, plan.generation, i, n, plan.first_shard,
-                              len(plan.shards), list(plan.deleted))
+                              len(plan.shards), list(plan.deleted), time.time())
         self.dst.put(marker_path(plan.generation, i, n), marker.to_json())

@@ -47,6 +47,7 @@ class WorkerMarker:
     first_shard: int
     total_shards: int
     deleted: list[str]
+    written: float = 0.0      # time.time() when committed: the latest run decides what --merge merges
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

@@ -48,11 +48,12 @@ def merge(dst: ObjectStore) -> Manifest:
 
 
 def _committed_plan(dst: ObjectStore, generation: int) -> WorkerMarker:
-    markers = [WorkerMarker.from_json(read_object(dst, o.path), o.path)
-               for o in dst.list_all(f"{work_dir(generation)}/") if o.path.rsplit("/", 1)[-1].startswith("worker-")]
+    markers = sorted((WorkerMarker.from_json(read_object(dst, o.path), o.path)
+                      for o in dst.list_all(f"{work_dir(generation)}/")
+                      if o.path.rsplit("/", 1)[-1].startswith("worker-")), key=lambda m: m.written)
     if not markers:
         raise Incomplete(f"no worker has committed generation {generation} yet: nothing to merge")
-    newest = max(markers, key=lambda m: m.worker_count)
+    newest = markers[-1]     # the latest run decides the plan and the worker count; older runs' markers wait
     agreeing = {m.worker_index for m in markers
                 if m.fingerprint == newest.fingerprint and m.worker_count == newest.worker_count}
     missing = sorted(set(range(newest.worker_count)) - agreeing)

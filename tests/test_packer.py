@@ -179,6 +179,19 @@ def test_partitioned_pack_then_merge_equals_a_single_pack(tmp_path, capsys):
     assert "have not committed" in capsys.readouterr().err
 
 
+def test_a_rerun_with_another_worker_count_reuses_shards_and_merges_its_own_markers(tmp_path):
+    make_tree(tmp_path / "src", n=80)
+    assert pack(tmp_path / "src", tmp_path / "single", "--shard-size", "20K") == 0
+    dst = tmp_path / "dst"
+    assert pack(tmp_path / "src", dst, "--shard-size", "20K", "--worker-index", "1", "--worker-count", "5") == 0
+    for index in range(2):
+        assert pack(tmp_path / "src", dst, "--shard-size", "20K", "--worker-index", index,
+                    "--worker-count", "2") == 0
+    assert pack("--merge", dst) == 0
+    assert shard_bytes(dst) == shard_bytes(tmp_path / "single")
+    assert not (dst / "work").exists()
+
+
 def test_append_adds_changes_and_tombstones_deletions(tmp_path):
     files = make_tree(tmp_path / "src", n=40)
     assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "20K") == 0
@@ -315,6 +328,8 @@ def test_usage_errors_and_an_already_packed_destination(tmp_path):
     assert pack(tmp_path / "src", tmp_path / "dst", "--worker-index", "3", "--worker-count", "2") == 2
     assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "lots") == 2
     assert pack(tmp_path / "src", tmp_path / "dst", "--append") == 2
+    assert pack(tmp_path / "src", tmp_path / "src/packed") == 2
+    assert pack(tmp_path / "src", tmp_path / "src") == 2
     assert pack(tmp_path / "src", tmp_path / "dst") == 0
     assert pack(tmp_path / "src", tmp_path / "dst") == 2
     assert pack("--merge", tmp_path / "empty") == PackExit.INCOMPLETE
