@@ -383,3 +383,33 @@ def test_large_files_streamed_in_ranges_give_the_same_shards(tmp_path):
     assert shard_bytes(tmp_path / "streamed") == shard_bytes(tmp_path / "whole")
     assert index_rows(tmp_path / "streamed") == index_rows(tmp_path / "whole")
     assert counted.gets > 61 + 50_000 // 700           # the big files came in ranges
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_exits_130_publishes_nothing_and_a_rerun_finishes_the_same_pack(tmp_path):
+    import signal
+
+    write_tree(tmp_path / "src", {f"d{i % 10}/f{i:05d}": bytes([i % 251]) * (200 + i % 700) for i in range(4000)})
+    command = [sys.executable, "-c", "import sys; from cachefs.cli import main; sys.exit(main(sys.argv[1:]))",
+               "pack", "--json", "--concurrency", "2", "--shard-size", "16K",
+               str(tmp_path / "src"), str(tmp_path / "dst")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        for line in proc.stdout:
+            event = json.loads(line)
+            assert event["event"] == "progress", "the pack finished before it could be interrupted"
+            if event["done_shards"] >= 3:
+                proc.send_signal(signal.SIGINT)
+                break
+        assert proc.wait(timeout=60) == PackExit.INTERRUPTED
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not (tmp_path / "dst" / MANIFEST).exists()
+    finished = len(list((tmp_path / "dst/work/g00000").glob("shard-*.parquet")))
+    assert finished >= 3
+    assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "16K") == 0
+    assert pack(tmp_path / "src", tmp_path / "single", "--shard-size", "16K") == 0
+    assert shard_bytes(tmp_path / "dst") == shard_bytes(tmp_path / "single")
+    assert index_rows(tmp_path / "dst") == index_rows(tmp_path / "single")
