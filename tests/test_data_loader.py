@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cachefs.data import PackedDataset, PackedIterableDataset, consumer_share, epoch_order
+from cachefs.demo.local_s3 import s3_client
 from cachefs.metrics import Metrics
 from cachefs.packfmt import CorruptRecord
 from cachefs.store import open_store
@@ -117,6 +118,16 @@ def test_order_helpers_pad_evenly_when_consumers_outnumber_samples():
     assert [consumer_share(order, 3, c, 4).tolist() for c in range(4)] == [[], [], [], []]
 
 
+def test_open_shard_files_are_bounded_and_closed(packed):
+    root, files = packed
+    ds = PackedDataset(root)
+    ds.files.max_open = 3
+    assert [ds[i] for i in range(len(ds))] == sorted(files.items())
+    assert len(ds.files._fds) == 3
+    ds.close()
+    assert not ds.files._fds and ds[0] == sorted(files.items())[0]
+
+
 def test_a_corrupted_shard_raises_instead_of_yielding_wrong_bytes(packed, tmp_path):
     root, files = packed
     copy = tmp_path / "copy"
@@ -157,3 +168,22 @@ def test_dataloader_does_not_hang_with_fewer_shards_than_workers(tmp_path):
     assert ds.index.shards.num_rows == 1
     got = list(torch_data.DataLoader(ds, batch_size=None, num_workers=2))   # 6 consumers, 3 samples, 1 shard
     assert len(got) == 2 and set(dict(got)) <= set(files)     # one each: padded by wrapping around
+
+
+@pytest.mark.fuse
+@pytest.mark.timeout(240)
+def test_the_loader_reads_a_packed_dataset_through_a_cachefs_mount(s3_server, bucket, mount_factory, tmp_path):
+    """Shards read through FUSE (mapped or pread) give the same, crc-checked bytes."""
+    files = make_packed(tmp_path, 150, shard_size=4096)
+    client = s3_client(s3_server.endpoint_url)
+    for path in sorted((tmp_path / "packed").rglob("*")):
+        if path.is_file():
+            client.put_object(Bucket=bucket, Key=f"packed/{path.relative_to(tmp_path / 'packed')}",
+                              Body=path.read_bytes())
+    mnt = mount_factory(f"s3://{bucket}/packed", "--endpoint-url", s3_server.endpoint_url).start()
+    with PackedDataset(mnt.path) as ds:
+        assert [ds[i] for i in range(len(files))] == sorted(files.items())
+    with PackedIterableDataset(mnt.path, seed=4) as ds:
+        got = paths_of(ds)
+    assert got == paths_of(PackedIterableDataset(tmp_path / "packed", seed=4))
+    mnt.umount()      # the datasets closed their files: the mount is not busy

@@ -37,6 +37,16 @@ class _Packed:
         self.files = ShardFiles(self.root, self.index)
         self.transform = transform
 
+    def close(self) -> None:
+        """Close the shard files this process opened (reopened on the next read)."""
+        self.files.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _sample(self, row: int, data: bytes):
         path = self.index.path(row)
         return self.transform(path, data) if self.transform else (path, data)

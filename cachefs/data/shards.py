@@ -4,6 +4,7 @@ Open files and mappings belong to one process (DataLoader workers fork) and are 
 
 import mmap
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 from cachefs.packfmt import CorruptRecord, PackedIndex
@@ -11,6 +12,9 @@ from cachefs.packfmt.tfrecord import crc32c
 
 
 class ShardFiles:
+    #: open shard files kept per process (least recently used closed first)
+    max_open = 64
+
     def __init__(self, root: Path, index: PackedIndex) -> None:
         self.root = root
         self.names = index.shards.column("name").to_pylist()
@@ -19,22 +23,26 @@ class ShardFiles:
         self.offset = columns.column("data_offset").to_numpy()
         self.length = columns.column("data_length").to_numpy()
         self.crc = columns.column("crc32c").to_numpy()
-        self._fds: dict[int, int] = {}
+        self._fds: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
         self._mapped: tuple[int, mmap.mmap] | None = None
         self._can_map = True     # False where the file system refuses mmap (then one pread per file)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_fds={}, _mapped=None)
+        state.update(_fds=OrderedDict(), _mapped=None)
         return state
 
     def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():          # a forked worker: the parent's descriptors are not ours to use
-            self._fds, self._mapped, self._pid = {}, None, os.getpid()
+            self._fds, self._mapped, self._pid = OrderedDict(), None, os.getpid()
         fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
+        if fd is not None:
+            self._fds.move_to_end(shard)
+            return fd
+        while len(self._fds) >= self.max_open:
+            os.close(self._fds.popitem(last=False)[1])
+        fd = self._fds[shard] = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
         return fd
 
     def read(self, row: int) -> bytes:
@@ -78,7 +86,15 @@ class ShardFiles:
         return data
 
     def close(self) -> None:
+        """Close this process's mapping and files (a mount can then be unmounted)."""
         self.release()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._fds = OrderedDict()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (OSError, AttributeError, TypeError):
+            pass   # interpreter shutdown or a half-built object: nothing left to close
