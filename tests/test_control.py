@@ -260,3 +260,65 @@ def test_clients_import_only_the_protocol_not_the_daemon_stack():
     code = f"import sys, warmup.cli, cachefs.control.client; print([m for m in {heavy!r} if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# ---- the client's reading of replies (a fake control file: its replies are scripted) ----------------
+@pytest.fixture
+def scripted(monkeypatch, tmp_path):
+    """request() against scripted reply lines; returns the list to fill and the requests written."""
+    from cachefs.control import client
+
+    lines: list[bytes] = []
+    sent: list[bytes] = []
+    (tmp_path / protocol.CONTROL_NAME).write_bytes(b"")
+
+    def replies(fd, mountpoint):
+        for line in lines:
+            yield json.loads(line)
+
+    monkeypatch.setattr(client, "_replies", replies)
+    monkeypatch.setattr(client, "_write_all", lambda fd, data, mnt: sent.append(data))
+    return lines, sent, str(tmp_path)
+
+
+def test_client_yields_events_until_end_and_sends_the_schema(scripted):
+    from cachefs.control.client import request
+    lines, sent, mnt = scripted
+    lines += [b'{"kind":"event","data":{"progress":1}}', b'{"kind":"event","data":{"done":true}}', b'{"kind":"end"}',
+              b'{"kind":"event","data":{"after":"end"}}']
+    assert list(request(mnt, "sync", wait=True)) == [{"progress": 1}, {"done": True}]
+    assert json.loads(sent[0]) == {"protocol": protocol.PROTOCOL_VERSION, "op": "sync", "args": {"wait": True}}
+
+
+def test_client_raises_the_daemons_error_with_its_code(scripted):
+    from cachefs.control.client import request
+    lines, _, mnt = scripted
+    lines += [b'{"kind":"event","data":{"progress":1}}', b'{"kind":"error","code":13,"error":"only root"}']
+    replies = request(mnt, "sync")
+    assert next(replies) == {"progress": 1}
+    with pytest.raises(PermissionDenied, match="only root") as caught:
+        next(replies)
+    assert caught.value.exit_code == 13
+
+
+def test_client_reports_an_older_daemon_by_shape_not_text(scripted):
+    from cachefs.control.client import request
+    lines, _, mnt = scripted
+    lines += [b'{"error": "bad request ...; commands: [\'status\']"}']      # what a protocol-0 daemon answers
+    with pytest.raises(Unsupported, match="older control protocol") as caught:
+        list(request(mnt, "status"))
+    assert caught.value.exit_code == ExitCode.UNSUPPORTED
+
+
+def test_client_reports_a_stream_cut_before_its_end(scripted):
+    from cachefs.control.client import request
+    lines, _, mnt = scripted
+    lines += [b'{"kind":"event","data":{"progress":1}}']
+    with pytest.raises(NoDaemon, match="stopped answering"):
+        list(request(mnt, "warmup"))
+
+
+def test_client_of_a_plain_directory_is_no_daemon(tmp_path):
+    from cachefs.control.client import request
+    with pytest.raises(NoDaemon, match="not a cachefs mount"):
+        list(request(str(tmp_path), "status"))

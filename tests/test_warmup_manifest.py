@@ -34,3 +34,22 @@ def test_summary_lists_failures():
     text = summary(reply)
     assert "1 fetched" in text and "1 already cached" in text and "ds/x: boom" in text
     assert "again" in summary(reply, interrupted=True)
+
+
+def test_warmup_request_payload_is_in_the_commands_schema(monkeypatch):
+    """What `cachefs warmup` sends passes the daemon's schema for the warmup command (no mount needed)."""
+    from cachefs.cli import build_parser
+    from cachefs.control.commands import WARM_COMMANDS
+    from cachefs.control.protocol import validate_args
+    from warmup import cli
+
+    sent = {}
+    monkeypatch.setattr(cli, "_payload", lambda args, command: ("/mnt", {"label": "ds", "paths": ["ds"], "globs": []}))
+    monkeypatch.setattr(cli, "_warm", lambda mountpoint, payload, args: sent.update(payload) or 0)
+    args = build_parser().parse_args(["warmup", "/mnt/ds", "--bandwidth-limit", "200M", "--pin", "--concurrency", "4"])
+    assert cli.run(args) == 0
+    assert sent["bandwidth_limit"] == 200 << 20 and sent["pin"] is True and sent["concurrency"] == 4
+    assert validate_args("warmup", WARM_COMMANDS["warmup"][1], sent) == {k: v for k, v in sent.items() if v is not None}
+    bad = build_parser().parse_args(["warmup", "/mnt/ds", "--bandwidth-limit", "lots"])
+    with pytest.raises(UsageError, match="--bandwidth-limit"):
+        cli.run(bad)

@@ -8,7 +8,6 @@ import json
 import signal
 import sys
 
-from cachefs.config import parse_size
 from cachefs.control.client import hello, request
 from cachefs.errors import CachefsError, ExitCode, PermissionDenied, Unsupported, UsageError
 
@@ -77,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if args.unpin:
         return _simple(mountpoint, command, payload, args, lambda r: (
             f"unpinned {payload['label']}" if r["unpinned"] else f"{payload['label']} was not pinned"))
+    from cachefs.config import parse_size  # only here: the config module is slow to import
+
     payload.update(concurrency=args.concurrency, force=args.force, pin=args.pin, detach=args.detach,
                    bandwidth_limit=parse_size(args.bandwidth_limit, "--bandwidth-limit")
                    if args.bandwidth_limit else None)

@@ -20,7 +20,6 @@ that, never on an error's text.
 """
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 from cachefs.errors import CachefsError, ExitCode, NoDaemon, PermissionDenied, Unsupported, UsageError
@@ -33,11 +32,17 @@ HELLO = "hello"                      # the handshake: {"protocol", "version", "c
 
 
 # ---- requests ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
 class Request:
-    op: str
-    args: dict[str, Any] = field(default_factory=dict)
-    protocol: int = PROTOCOL_VERSION
+    """A decoded request. (Plain classes here, not dataclasses: building a dataclass costs
+    milliseconds at import, and every client imports this module.)"""
+
+    __slots__ = ("op", "args", "protocol")
+
+    def __init__(self, op: str, args: dict[str, Any] | None = None, protocol: int = PROTOCOL_VERSION) -> None:
+        self.op, self.args, self.protocol = op, args or {}, protocol
+
+    def __repr__(self) -> str:
+        return f"Request({self.op!r}, {self.args!r}, protocol={self.protocol})"
 
 
 class ProtocolError(UsageError):
@@ -75,12 +80,13 @@ def decode_request(raw: bytes) -> Request:
 
 
 # ---- argument schemas ---------------------------------------------------------------------------
-@dataclass(frozen=True)
 class Arg:
-    """One argument: its JSON type (bool, int, float, str, list of str), choices; None is always allowed."""
+    """One argument: its JSON type (bool, int, float, str, list of str), choices; None means absent."""
 
-    kind: type
-    choices: tuple = ()
+    __slots__ = ("kind", "choices")
+
+    def __init__(self, kind: type, choices: tuple = ()) -> None:
+        self.kind, self.choices = kind, choices
 
 
 def validate_args(op: str, schema: dict[str, Arg], args: dict[str, Any]) -> dict[str, Any]:
