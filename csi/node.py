@@ -7,7 +7,7 @@ when asked), reported only once the target is the live FUSE mount.
 
 from csi import capability
 from csi.agent import protocol as agent
-from csi.errors import handled, required
+from csi.errors import handled, invalid, required
 from csi.proto import pb, rpc
 
 Cap = pb.NodeServiceCapability.RPC
@@ -27,8 +27,8 @@ class NodeService(rpc.NodeServicer):
         required(request.staging_target_path, "staging_target_path")
         cap = capability.checked(request.volume_capability if request.HasField("volume_capability") else None)
         self._agent("stage", volume_id=request.volume_id, staging=request.staging_target_path,
-                    attributes=dict(request.volume_context), secrets=dict(request.secrets),
-                    readonly=capability.reader_only(cap))
+                    attributes=with_mount_group(dict(request.volume_context), cap),
+                    secrets=dict(request.secrets), readonly=capability.reader_only(cap))
         return pb.NodeStageVolumeResponse()
 
     @handled
@@ -71,10 +71,29 @@ class NodeService(rpc.NodeServicer):
 
     @handled
     def NodeGetCapabilities(self, request, context):
-        types = (Cap.STAGE_UNSTAGE_VOLUME, Cap.GET_VOLUME_STATS, Cap.VOLUME_CONDITION)
+        types = (Cap.STAGE_UNSTAGE_VOLUME, Cap.GET_VOLUME_STATS, Cap.VOLUME_CONDITION, Cap.VOLUME_MOUNT_GROUP)
         return pb.NodeGetCapabilitiesResponse(capabilities=[
             pb.NodeServiceCapability(rpc=Cap(type=t)) for t in types])
 
     @handled
     def NodeGetInfo(self, request, context):
         return pb.NodeGetInfoResponse(node_id=self.node_id)
+
+
+def with_mount_group(attributes: dict[str, str], cap) -> dict[str, str]:
+    """The pod's fsGroup (VOLUME_MOUNT_GROUP: kubelet delegates it instead of a recursive chown,
+    which through FUSE would touch every object) becomes the files' group, group-writable when the
+    volume is writable. A ``gid`` attribute wins; one daemon serves every pod of the volume on a
+    node, so the first stage's group applies to all of them."""
+    group = cap.mount.volume_mount_group if cap.HasField("mount") else ""
+    if not group or "gid" in attributes:
+        return attributes
+    if not group.isdigit():
+        raise invalid(f"volume_mount_group must be a numeric group id, got {group!r}")
+    attributes = {**attributes, "gid": group}
+    writable = not capability.reader_only(cap) and all(
+        attributes.get(key, "false").lower() != "true" for key in ("readOnly", "immutable"))
+    if writable:
+        attributes.setdefault("fileMode", "0664")
+        attributes.setdefault("dirMode", "0775")
+    return attributes

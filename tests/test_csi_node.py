@@ -4,6 +4,7 @@ shared by two pods, read-only publishing, idempotent repeats, and secrets that l
 import errno
 import os
 import stat
+import subprocess
 import urllib.request
 import uuid
 from pathlib import Path
@@ -265,3 +266,43 @@ def _assert_no_leak(drv, tmp_path, metrics_port, needles):
     assert b"cachefs" in metrics
     found += ["metrics" for n in needles if n.encode() in metrics]
     assert found == []
+
+
+def test_non_root_pod_gets_its_fs_group(public_dir, tmp_path, s3_server, bucket):
+    """VOLUME_MOUNT_GROUP: the pod's fsGroup owns the files, group-writable on a writable volume;
+    a user outside the group reads but cannot write."""
+    from test_csi_fixtures import require_fuse
+    require_fuse()
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "data", {"a.txt": b"alpha"})
+    drv = Driver(tmp_path)
+    stage, target = str(public_dir / "globalmount"), str(public_dir / "pod/mount")
+    try:
+        drv.start_agent()
+        drv.start_plugin()
+        caps = {cap.rpc.type for cap in drv.node.NodeGetCapabilities(pb.NodeGetCapabilitiesRequest()).capabilities}
+        assert pb.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP in caps
+        cap = capability(MODE.SINGLE_NODE_MULTI_WRITER)
+        cap.mount.volume_mount_group = "2000"
+        drv.node.NodeStageVolume(pb.NodeStageVolumeRequest(
+            volume_id="vol-g", staging_target_path=stage, volume_capability=cap, secrets=SECRETS,
+            volume_context=static_context(s3_server.endpoint_url, bucket)), timeout=120)
+        drv.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+            volume_id="vol-g", staging_target_path=stage, target_path=target, volume_capability=cap), timeout=60)
+        st = os.stat(os.path.join(target, "a.txt"))
+        assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (2000, 0o664)
+
+        def as_user(uid: int, gid: int, script: str) -> subprocess.CompletedProcess:
+            return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={gid}", "sh", "-c", script],
+                                  capture_output=True, text=True, timeout=60, cwd="/")
+
+        member = as_user(1000, 2000, f"cat {target}/a.txt && echo n > {target}/new.txt")
+        assert member.returncode == 0 and member.stdout == "alpha", member.stderr
+        assert Path(target, "new.txt").read_text() == "n\n"
+        outsider = as_user(1001, 1001, f"cat {target}/a.txt && echo x > {target}/x.txt")
+        assert outsider.stdout == "alpha" and "Permission denied" in outsider.stderr, outsider
+    finally:
+        pids = drv.daemon_pids()
+        drv.stop()
+        cleanup_mounts(public_dir)
+        for pid in pids:
+            os.kill(pid, 9)
