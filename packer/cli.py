@@ -9,13 +9,12 @@ from cachefs.config import parse_size
 from cachefs.control.status_view import size
 from cachefs.errors import UsageError
 
-from .engine import Worker, plan_pack
-from .merge import merge
 from .options import DEFAULT_SHARD_SIZE, PackOptions, StoreOptions
 from .progress import Progress
 from .stores import local_root, open_location, to_url
-from .unpack import unpack
-from .verify import verify
+
+# The engine modules (pyarrow, numpy) are imported when a command runs, not when `cachefs` builds
+# its parser: every other subcommand (mount, status, ...) would pay their import time.
 
 EXIT_CODES = """exit codes:
   0 done                                  2 bad arguments, or DST already packed (use --append)
@@ -100,6 +99,8 @@ def run_pack(args: argparse.Namespace) -> int:
 
 
 def _pack(args: argparse.Namespace, progress: Progress) -> int:
+    from .engine import Worker, plan_pack
+
     options = _pack_options(args)
     src_arg, dst_arg = args.locations
     if f"{to_url(dst_arg)}/".startswith(f"{to_url(src_arg)}/"):
@@ -119,6 +120,8 @@ def _pack(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def _merge(dst, progress: Progress) -> int:
+    from .merge import merge
+
     m = merge(dst)
     progress.finish({"generation": m.generation, "total_files": m.files, "total_bytes": m.bytes,
                      "total_shards": m.shards},
@@ -128,12 +131,16 @@ def _merge(dst, progress: Progress) -> int:
 
 
 def _verify(dst, progress: Progress, args: argparse.Namespace) -> int:
+    from .verify import verify
+
     report = verify(dst, progress, args.concurrency)
     progress.finish(report, f"verified {report['files']} files in {report['shards']} shards: all records match")
     return 0
 
 
 def run_unpack(args: argparse.Namespace) -> int:
+    from .unpack import unpack
+
     progress = Progress("unpack", json_lines=args.json, quiet=args.quiet)
     dst, out = open_location(args.dst, _stores(args)), open_location(args.out, _stores(args))
     report = unpack(dst, out, local_root(args.out), progress, args.concurrency)

@@ -33,8 +33,7 @@ def _unpack_shard(dst: ObjectStore, out: ObjectStore, out_root: str | None, inde
     if not len(rows):
         return 0
     reader = ShardReader(dst, shard_path(shard))
-    for row in rows:
-        entry = index.entry(int(row))
+    for entry in index.entries(rows):
         data = reader.read_at(entry.data_offset, entry.data_length)
         if len(data) != entry.data_length or crc32c(data) != entry.crc32c:
             raise CorruptRecord(f"shard {shard_path(shard)}: {entry.path!r} fails its crc32c")

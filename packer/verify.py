@@ -3,9 +3,9 @@ path and its data crc32c checked against the index; every shard's size and check
 
 from concurrent.futures import ThreadPoolExecutor
 
-from cachefs.packfmt import CorruptRecord, PackedIndex, shard_path
+from cachefs.packfmt import CorruptRecord, Entry, PackedIndex, shard_path
 from cachefs.packfmt.store_index import open_index
-from cachefs.packfmt.tfrecord import crc32c, example_fields, iter_records
+from cachefs.packfmt.tfrecord import HEADER, crc32c, example_head, iter_records
 from cachefs.store import ObjectStore
 
 from .progress import Progress
@@ -38,15 +38,14 @@ def _verify_shard(dst: ObjectStore, index: PackedIndex, shard: int, rows, progre
     reader = ShardReader(dst, shard_path(shard))
     if reader.size != expected["bytes"]:
         raise CorruptRecord(f"shard {name}: {reader.size} bytes, the index says {expected['bytes']}")
-    offsets = index.files.column("record_offset")
-    wanted = {offsets[int(i)].as_py(): int(i) for i in rows}
+    wanted = {entry.record_offset: entry for entry in index.entries(rows)}
     stream, seen = _Checksummed(reader), 0
     for offset, payload in _records(stream, name):
-        row = wanted.get(offset)
-        if row is not None:
-            _check_record(index.entry(row), payload, offset, name)
+        entry = wanted.get(offset)
+        if entry is not None:
+            _check_record(entry, payload, offset, name)
             seen += 1
-            progress.file_done(index.entry(row).size)
+            progress.file_done(entry.size)
     if seen != len(wanted):
         raise CorruptRecord(f"shard {name}: {len(wanted) - seen} indexed records are not record starts")
     if f"{stream.crc:08x}" != expected["checksum"]:
@@ -62,10 +61,12 @@ def _records(stream: _Checksummed, name: str):
         raise CorruptRecord(f"shard {name}: {exc}") from exc
 
 
-def _check_record(entry, payload, offset: int, name: str) -> None:
-    path, data = example_fields(bytes(payload))
-    start = offset + 12 + (len(payload) - len(data))
-    if path.decode() != entry.path or start != entry.data_offset or len(data) != entry.data_length:
+def _check_record(entry: Entry, payload: memoryview, offset: int, name: str) -> None:
+    """The record is exactly the Example the packer writes for the index's path and size, with the
+    data where the index says and matching its crc32c."""
+    head = example_head(entry.path.encode(), entry.size)
+    if (len(payload) != len(head) + entry.size or payload[:len(head)] != head
+            or offset + HEADER + len(head) != entry.data_offset):
         raise CorruptRecord(f"shard {name}: the record at {offset} is not the index's {entry.path!r}")
-    if crc32c(data) != entry.crc32c:
+    if crc32c(payload[len(head):]) != entry.crc32c:
         raise CorruptRecord(f"shard {name}: {entry.path!r} fails its crc32c")

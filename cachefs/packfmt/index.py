@@ -164,8 +164,11 @@ class PackedIndex:
         return self._paths[i].as_py()
 
     def entry(self, i: int) -> Entry:
-        row = {name: self.files.column(name)[i].as_py() for name in FILES_SCHEMA.names}
-        return Entry(**row)
+        return self.entries([i])[0]
+
+    def entries(self, rows) -> list[Entry]:
+        """The entries of ``rows`` (any sequence of row numbers), converted in one Arrow call."""
+        return [Entry(**row) for row in self.files.take(pa.array(rows, pa.int64())).to_pylist()]
 
     def find(self, path: str) -> int | None:
         """The row of ``path``, or None."""
