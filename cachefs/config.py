@@ -91,6 +91,11 @@ class MountConfig:
         "help": "largest readahead window of a sequential reader", "size": True})
     max_fetches: int = field(default=32, metadata={"help": "concurrent object-store GETs for reads"})
     max_prefetches: int = field(default=8, metadata={"help": "concurrent readahead GETs"})
+    hedge_percentile: float = field(default=95.0, metadata={
+        "help": "a GET slower than this latency percentile of its size class gets a second GET (first wins)"})
+    hedge_budget: float = field(default=0.05, metadata={
+        "help": "most hedged (second) GETs as a fraction of GETs; 0 disables hedging"})
+    hedge_min_delay: float = field(default=0.05, metadata={"help": "seconds before any GET is hedged"})
     max_connections: int = field(default=64, metadata={"help": "HTTP connection pool size"})
     connect_timeout: float = field(default=5.0, metadata={"help": "seconds to connect to the store"})
     read_timeout: float = field(default=30.0, metadata={"help": "seconds to wait for store data"})
@@ -195,6 +200,9 @@ def _validate(cfg: MountConfig) -> None:
                  "fuse_read_ahead_kb", "fuse_max_background"):
         need(getattr(cfg, name) >= 1, f"{name} must be >= 1")
     need(cfg.connect_timeout > 0 and cfg.read_timeout > 0, "timeouts must be positive")
+    need(50 <= cfg.hedge_percentile < 100, "hedge_percentile must be in [50, 100)")
+    need(0 <= cfg.hedge_budget <= 1 and cfg.hedge_min_delay >= 0, "hedge_budget must be in [0, 1], "
+         "hedge_min_delay >= 0")
     need(0 <= cfg.metrics_port < 65536, "metrics_port must be in 0..65535")
     need(cfg.log_level.lower() in ("debug", "info", "warning", "error"),
          "log_level must be debug, info, warning or error")

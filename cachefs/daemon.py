@@ -30,6 +30,7 @@ from cachefs.namespace.vfs import Vfs
 from cachefs.store import ObjectStore, open_store
 from cachefs.tiers.cache import Tiers
 from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.hedge import HedgePolicy, Hedger
 from cachefs.tiers.memory import MemoryTier
 from cachefs.warm.engine import Warmer
 from cachefs.writeback.engine import Writeback, make_writeback
@@ -55,7 +56,8 @@ class Daemon:
         # max_prefetches keeps the --max-prefetches option's old name; it bounds readahead GETs
         self.tiers = Tiers(store, self.memory, self.disk, metrics, block_size=cfg.block_size,
                            readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
-                           max_readaheads=cfg.max_prefetches)
+                           max_readaheads=cfg.max_prefetches, hedger=Hedger(HedgePolicy(
+                               cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay), metrics))
         try:
             snapshot = ListingSnapshot(cfg.cache_dir, store.identity)
         except (OSError, sqlite3.Error) as exc:

@@ -62,6 +62,14 @@ class Metrics:
         self.fuse_latency = Histogram("cachefs_fuse_operation_seconds", "FUSE operation latency", ["op"],
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.read_bytes = Counter("cachefs_read_bytes", "Bytes returned to readers", registry=r)
+        # hedged GETs (cachefs/tiers/hedge.py): result in {won, lost, failed}; reason in {budget, busy}
+        self.hedged_requests = Counter("cachefs_hedged_requests", "Second GETs started for a straggler, by "
+                                       "result (won: answered first; lost: cancelled; failed)", ["result"],
+                                       registry=r)
+        self.hedges_skipped = Counter("cachefs_hedges_skipped", "Stragglers not hedged, by reason",
+                                      ["reason"], registry=r)
+        self.hedge_delay = Gauge("cachefs_hedge_delay_seconds", "A GET of this size class still unanswered "
+                                 "after this long is hedged", ["size_class"], registry=r)
 
     def counter_value(self, name: str, **labels: str) -> float:
         """The current value of one sample (``name`` as exported, e.g. 'cachefs_tier_hits_total')."""

@@ -23,7 +23,8 @@ start at once is dropped and counted, never queued.
 """
 
 import logging
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,6 +35,7 @@ from cachefs.metrics import Metrics
 from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectStore
 from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.hedge import Hedger, cancellable_gets
 from cachefs.tiers.key import BlockKey
 from cachefs.tiers.memory import MemoryTier
 
@@ -82,7 +84,8 @@ class Stream:
 
 class Tiers:
     def __init__(self, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
-                 block_size: int, readahead_size: int, max_fetches: int, max_readaheads: int) -> None:
+                 block_size: int, readahead_size: int, max_fetches: int, max_readaheads: int,
+                 hedger: Hedger | None = None) -> None:
         self.store = store
         self.memory = memory
         self.disk = disk
@@ -96,6 +99,9 @@ class Tiers:
         self._flights = SingleFlight(on_join=metrics.singleflight_joins.inc)
         self._nursery: trio.Nursery | None = None
         self.on_first_read: Callable[[FileVersion], None] | None = None   # the --prefetch-dataset hook
+        # Hedged GETs (hedge.py) take their limiter slots themselves: the store gets an unbounded one.
+        self._hedger = hedger if hedger is not None and cancellable_gets(store) else None
+        self._no_limit = trio.CapacityLimiter(math.inf)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the disk tier and own the nursery in which readahead runs, until cancelled."""
@@ -180,9 +186,15 @@ class Tiers:
         return data
 
     async def _get(self, f: FileVersion, key: BlockKey, limiter: trio.CapacityLimiter) -> bytes:
-        """The one GET of a block (its version pinned with If-Match), under ``limiter``."""
+        """The one GET of a block (its version pinned with If-Match), under ``limiter``; hedged
+        by a second GET if it straggles (``hedge.py``)."""
         end = min(key.offset + self.block_size, f.size)
-        return await self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=limiter)
+        if self._hedger is None:
+            return await self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=limiter)
+
+        def call() -> Awaitable[bytes]:
+            return self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=self._no_limit)
+        return await self._hedger.get(call, end - key.offset, limiter, busy=self.foreground_waiting)
 
     def _readahead(self, f: FileVersion, start: int, window: int) -> None:
         """Start background fetches for the blocks in [start, start+window); drop when busy."""
@@ -320,6 +332,8 @@ class Tiers:
                              blocks=len(self.memory))
         if self.disk is not None:
             out["disk"].update(self.disk.stats())
+        if self._hedger is not None:
+            out["hedge"] = self._hedger.stats()
         return out
 
 
