@@ -68,6 +68,8 @@ class Driver:
             out.close()
 
     def start_agent(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.agent_socket)          # a killed agent's socket (the new one waits for its own)
         self.agent = self._spawn(["csi-agent", "--socket", self.agent_socket, "--state-dir", str(self.state_dir),
                                   "--cache-root", str(self.cache_root), "--cache-size", "2G",
                                   "--metrics-port", str(self.metrics_port), "--check-interval", "0.5"], "agent.log", [])

@@ -37,8 +37,10 @@ def state(path: str, timeout: float = 5.0) -> str:
     result: list[str] = []
 
     def probe() -> None:
+        # opendir always reaches the daemon; a stat may be answered from the kernel's attribute
+        # cache even when the daemon is gone
         try:
-            os.stat(path)
+            os.close(os.open(path, os.O_RDONLY | os.O_DIRECTORY))
             result.append("live")
         except OSError as exc:
             result.append("dead" if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO) else "live")

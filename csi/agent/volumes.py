@@ -69,7 +69,7 @@ class VolumeManager:
                 self._check_compatible(vol, staging, values)
                 if env:
                     self.store.save_secrets(vol.key, env)
-                if mounts.state(staging) != "live":
+                if not _healthy(vol):
                     self._repair(vol)
                 return {"pid": vol.pid}
             vol = self._new_volume(volume_id, staging, values, paths)
@@ -142,7 +142,7 @@ class VolumeManager:
             if target not in vol.targets and mounts.entry(target) is not None \
                     and not mounts.same_mount(target, staging):
                 raise already_exists(f"target {target} already has another filesystem mounted")
-            if mounts.state(staging) != "live":
+            if not _healthy(vol):
                 self._repair(vol)
             if not (mounts.same_mount(target, staging) and mounts.state(target) == "live"):
                 mounts.unmount(target, lazy=True)
@@ -194,7 +194,7 @@ class VolumeManager:
         for vid in list(self.volumes):
             with self._volume_lock(vid):
                 vol = self.volumes.get(vid)
-                if vol is None or mounts.state(vol.staging) == "live":
+                if vol is None or _healthy(vol):
                     continue
                 try:
                     self._repair(vol)
@@ -270,14 +270,26 @@ class VolumeManager:
             self.store.save(self.volumes)
 
 
-def _kill_stale(pid: int | None) -> None:
-    """SIGKILL a wedged old daemon (checked to be a cachefs daemon: pids get reused)."""
+def _healthy(vol: Volume) -> bool:
+    return daemon_alive(vol.pid) and mounts.state(vol.staging) == "live"
+
+
+def daemon_alive(pid: int | None) -> bool:
+    """``pid`` is a running cachefs daemon (pids get reused: check its command line)."""
     if not pid or not launcher.process_alive(pid):
-        return
+        return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            if b"_daemon" not in fh.read():
-                return
+            return b"_daemon" in fh.read()
+    except OSError:
+        return False
+
+
+def _kill_stale(pid: int | None) -> None:
+    """SIGKILL a wedged old daemon (checked to be a cachefs daemon: pids get reused)."""
+    if not daemon_alive(pid):
+        return
+    try:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         return
