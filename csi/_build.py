@@ -20,12 +20,16 @@ MODULES = ("csi_pb2.py", "csi_pb2_grpc.py")
 
 
 def stale(out: Path = OUT) -> bool:
-    """True when a stub is missing or older than the .proto."""
+    """True when a stub is missing or older than the .proto (an installed wheel carries the stubs
+    but not the .proto: its stubs are never stale)."""
     try:
         built = min((out / name).stat().st_mtime for name in (*MODULES, "__init__.py"))
     except FileNotFoundError:
         return True
-    return built < PROTO.stat().st_mtime
+    try:
+        return built < PROTO.stat().st_mtime
+    except FileNotFoundError:
+        return False
 
 
 def generate(out: Path = OUT) -> None:

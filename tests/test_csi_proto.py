@@ -37,6 +37,14 @@ def test_stubs_generate_and_import(tmp_path):
         os.utime(_build.PROTO, ns=(original.st_atime_ns, original.st_mtime_ns))
 
 
+def test_installed_stubs_without_the_proto_are_not_stale(tmp_path, monkeypatch):
+    out = tmp_path / "_proto"
+    out.mkdir()
+    _build.generate(out)
+    monkeypatch.setattr(_build, "PROTO", tmp_path / "absent.proto")     # a wheel ships no .proto
+    assert not _build.stale(out)
+
+
 def test_wire_field_numbers_are_the_specs():
     from csi.proto import pb
 
