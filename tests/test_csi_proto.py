@@ -3,6 +3,7 @@ fresh directory, wire field numbers, volume attributes, dynamic volume ids, secr
 
 import importlib.util
 import os
+import subprocess
 import sys
 import time
 
@@ -113,3 +114,17 @@ def test_dynamic_volume_ids_round_trip():
     for params in ({}, {"bucket": "Bad_Bucket"}, {"bucket": "ok", "prefix": "a/../b"}):
         with pytest.raises(CsiError):
             dynamic.from_parameters("pvc-3", params)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["csi", "--endpoint", "tcp://10.0.0.1:9000", "--node-id", "n"], "endpoint must be unix://"),
+    (["csi", "--mode", "node", "--node-id", ""], "--node-id"),
+    (["csi-agent", "--cache-size", "lots"], "--cache-size"),
+    (["csi-agent", "--volume-slots", "0"], "must be positive"),
+])
+def test_bad_command_lines_are_one_line_usage_errors(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "cachefs", *args, *(
+        ["--socket", str(tmp_path / "a.sock"), "--state-dir", str(tmp_path)] if args[0] == "csi-agent" else [])],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**os.environ, "NODE_NAME": ""})
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path) in ([], ["a.sock"])
