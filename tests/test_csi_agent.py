@@ -99,3 +99,15 @@ def test_node_cache_budget_is_enforced(driver, tmp_path, s3_server, bucket):
         driver.node.NodeStageVolume(request, timeout=60)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cacheSize" in info.value.details()
     assert mounted_under(tmp_path) == [] and driver.daemon_pids() == []
+
+
+def test_warmup_without_waiting_runs_in_the_daemon(driver, tmp_path, s3_server, bucket):
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "data", FILES)
+    stage = tmp_path / "globalmount"
+    driver.node.NodeStageVolume(pb.NodeStageVolumeRequest(
+        volume_id="vol-w", staging_target_path=str(stage), volume_capability=capability(), secrets=SECRETS,
+        volume_context=static_context(s3_server.endpoint_url, bucket, warmup="sub,c.txt")), timeout=120)
+    wait_for(lambda: cached_files(str(stage)) == 3, 30, "the detached warmup to cache sub/ and c.txt", interval=0.5)
+    driver.node.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(volume_id="vol-w", staging_target_path=str(stage)),
+                                  timeout=120)
+    assert mounted_under(tmp_path) == []
