@@ -141,7 +141,7 @@ def test_a_slow_first_get_is_hedged_and_the_hedge_wins():
 
 def test_a_fast_answer_after_the_hedge_started_wins_and_cancels_the_hedge():
     metrics = Metrics()
-    hedger = Hedger(HedgePolicy(burst=5), metrics)
+    hedger = Hedger(HedgePolicy(), metrics)
     hedger._tokens = 5.0
     script = Script(lambda c, attempt: (0.070 if attempt == 0 else 1.0, None))
 
@@ -191,6 +191,24 @@ def test_budget_holds_hedges_to_five_percent_over_1000_gets():
     assert started_hedges == sum(hedges(metrics, r) for r in ("won", "lost", "failed"))
     assert 40 <= started_hedges <= 50, started_hedges          # <= 5% of 1,000 GETs, and used
     assert skipped(metrics, "budget") > 0
+
+
+def test_saved_tokens_cover_a_burst_of_stragglers_and_no_more():
+    metrics = Metrics()
+    hedger = Hedger(HedgePolicy(budget=0.05, burst=20), metrics)
+    script = Script(lambda c, attempt: (2.0 if c >= 1000 and attempt == 0 else 0.010, None))
+
+    async def main():
+        limiter = trio.CapacityLimiter(64)
+        for i in range(1000):                  # 50 tokens earned, 20 kept
+            await hedger.get(script.call(i), LENGTH, limiter)
+        async with trio.open_nursery() as nursery:
+            for i in range(1000, 1030):         # then 30 stragglers at once
+                nursery.start_soon(hedger.get, script.call(i), LENGTH, limiter)
+
+    run_virtual(main)
+    assert hedges(metrics, "won") == 20        # the saved tokens (the burst's own earnings hit the cap)
+    assert skipped(metrics, "budget") == 10
 
 
 def test_no_hedge_when_the_limiter_is_saturated_or_readers_wait():
@@ -316,7 +334,7 @@ def test_tiers_hedge_a_straggling_block_get():
     assert hedge["won"] == 1 and hedge["delay_ms"] == {"le256k": 50.0}
 
 
-def test_thread_backed_stores_are_not_hedged():
+def test_thread_backed_stores_and_a_zero_budget_are_not_hedged():
     class ThreadStore(SlowStore):
         get_async = ObjectStore.get_async
 
@@ -324,6 +342,9 @@ def test_thread_backed_stores_are_not_hedged():
     tiers = Tiers(ThreadStore(b""), MemoryTier(16 << 20, metrics), None, metrics, block_size=1 << 20,
                   readahead_size=0, max_fetches=8, max_readaheads=2, hedger=Hedger(HedgePolicy(), metrics))
     assert "hedge" not in tiers.stats()
+    off = Tiers(SlowStore(b""), MemoryTier(16 << 20, metrics), None, metrics, block_size=1 << 20,
+                readahead_size=0, max_fetches=8, max_readaheads=2, hedger=Hedger(HedgePolicy(budget=0), metrics))
+    assert "hedge" not in off.stats()          # --hedge-budget 0: GETs go straight to the store
 
 
 # --- the loser's connection -----------------------------------------------------------------------

@@ -100,7 +100,7 @@ class Tiers:
         self._nursery: trio.Nursery | None = None
         self.on_first_read: Callable[[FileVersion], None] | None = None   # the --prefetch-dataset hook
         # Hedged GETs (hedge.py) take their limiter slots themselves: the store gets an unbounded one.
-        self._hedger = hedger if hedger is not None and cancellable_gets(store) else None
+        self._hedger = hedger if hedger is not None and hedger.policy.enabled and cancellable_gets(store) else None
         self._no_limit = trio.CapacityLimiter(math.inf)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

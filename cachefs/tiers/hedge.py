@@ -107,7 +107,10 @@ class HedgePolicy:
     budget: float = 0.05        # most hedges per GET (long-run); 0 disables hedging
     min_delay: float = 0.05     # never hedge earlier than this (seconds)
     min_samples: int = 20       # a size class hedges only once it has seen this many GETs
-    burst: float = 5.0          # hedge tokens that may be saved up for a burst of stragglers
+    # Tokens saved up for a burst of stragglers (a stall of the store or of this node makes
+    # several GETs straggle at once). The bucket starts empty, so hedges never exceed
+    # ``budget`` x GETs so far, whatever the burst.
+    burst: float = 20.0
 
     @property
     def enabled(self) -> bool:
