@@ -7,6 +7,7 @@ credentials come from the standard AWS chain (environment, profile, files).
 """
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -243,8 +244,8 @@ def _coerce(f: dataclasses.Field, value):
                 raise ValueError(value)
             return int(value)
         if kind.startswith("float"):
-            if isinstance(value, bool):
-                raise ValueError(value)
+            if isinstance(value, bool) or not math.isfinite(float(value)):
+                raise ValueError(value)    # nan passes every `>=` check by failing both ways; inf waits forever
             return float(value)
         if not isinstance(value, str):
             raise ValueError(value)
@@ -264,6 +265,8 @@ def load_toml(path: str) -> dict:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start})") from None
     values = {key.replace("-", "_"): value for key, value in data.items()}
     for f in dataclasses.fields(MountConfig):
         # `file_mode = 644` in TOML is a decimal integer; it means what `--file-mode 644` means

@@ -182,3 +182,17 @@ def test_build_config_needs_url_and_mountpoint():
         build_config({"mountpoint": "/mnt"})
     with pytest.raises(ConfigError, match="missing mountpoint"):
         build_config({"url": URL, "mountpoint": ""})
+
+
+def test_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    """Found by tests/test_fuzz_inputs.py: tomllib's UnicodeDecodeError escaped as a traceback."""
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b"cache_size = \"\x80\"")
+    with pytest.raises(ConfigError) as info:
+        config_from_args(build_parser().parse_args(["mount", URL, str(tmp_path / "m"), "--config", str(path)]))
+    assert "not UTF-8" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("toml", ["read_timeout = inf", "metadata_ttl = nan", "checkpoint_sync_period = -inf"])
+def test_nonfinite_floats_in_toml_are_refused(tmp_path, toml):
+    assert "expected float" in config_error(tmp_path, toml)
