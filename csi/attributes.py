@@ -2,7 +2,8 @@
 
 One table maps each camelCase attribute to a ``MountConfig`` option; values are checked by the
 core's own config builder, and a bad or unknown key is INVALID_ARGUMENT naming the key. Keys under
-``csi.storage.k8s.io/`` (pod info, provisioner metadata) are the CO's and are ignored. Secrets are
+``csi.storage.k8s.io/`` and ``storage.kubernetes.io/`` (pod info, provisioner metadata) are the CO's
+and are ignored. Secrets are
 never attributes: they come from the request's ``secrets`` (``SECRET_ENV``).
 """
 
@@ -38,7 +39,9 @@ OPTIONS = {
 WARMUP = "warmup"               # comma-separated paths in the volume to warm when it is staged
 WARMUP_WAIT = "warmupWait"      # "true": NodeStage returns once the warmup is done
 DRIVER_KEYS = (WARMUP, WARMUP_WAIT)
-CO_PREFIX = "csi.storage.k8s.io/"
+# Keys the CO adds: pod info and provisioner metadata (csi.storage.k8s.io/...), and the
+# provisioner identity csi-provisioner puts in every dynamic PV (storage.kubernetes.io/...).
+CO_PREFIX = ("csi.storage.k8s.io/", "storage.kubernetes.io/")
 
 # CSI secret key -> the daemon's environment variable (set inside the daemon, never in argv)
 SECRET_ENV = {

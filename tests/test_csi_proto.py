@@ -68,7 +68,8 @@ def test_wire_field_numbers_are_the_specs():
 def test_attributes_map_to_mount_options():
     values = mount_values({"url": "s3://b/p", "endpoint": "http://rgw:7480", "cacheSize": "10G",
                            "immutable": "true", "logSyncPeriod": "2.5", "fileMode": "0640",
-                           "csi.storage.k8s.io/pod.name": "x", "warmup": "train"})
+                           "csi.storage.k8s.io/pod.name": "x", "warmup": "train",
+                           "storage.kubernetes.io/csiProvisionerIdentity": "1700000000000-8081-csi.cachefs.io"})
     assert values == {"url": "s3://b/p", "endpoint_url": "http://rgw:7480", "cache_size": 10 << 30,
                       "immutable": True, "log_sync_period": 2.5, "file_mode": 0o640}
 
