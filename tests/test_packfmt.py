@@ -217,3 +217,11 @@ def test_rows_by_shard_groups_rows_in_record_order():
     index = PackedIndex.from_parquet(table_bytes(rows, FILES_SCHEMA), table_bytes(
         [first.shard_row("e0"), second.shard_row("e1")], SHARDS_SCHEMA))
     assert [[index.path(int(i)) for i in group] for group in index.rows_by_shard()] == [["b", "d"], ["a", "c"]]
+
+
+@pytest.mark.parametrize("path_length", [0, 1, 100, 127, 128, 300, 16383, 16384])
+def test_head_length_arithmetic_matches_the_encoding(path_length):
+    from cachefs.packfmt.tfrecord import example_head, example_head_length
+
+    for size in (0, 1, 100, 108, 109, 110, 127, 128, 16370, 16383, 16384, 2**21 - 20, 2**21, 2**28, 2**35):
+        assert example_head_length(path_length, size) == len(example_head(b"p" * path_length, size)), size

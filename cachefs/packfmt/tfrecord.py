@@ -56,7 +56,14 @@ def frame_length(payload_length: int) -> int:
 
 
 # ---- the Example payload -------------------------------------------------------------------------
+_SMALL_VARINTS = tuple(bytes([v]) for v in range(0x80))
+_TAG_1 = b"\x0a"     # field 1, length-delimited
+_TAG_2 = b"\x12"     # field 2, length-delimited
+
+
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -65,21 +72,30 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _varint_length(value: int) -> int:
+    return 1 if value < 0x80 else (value.bit_length() + 6) // 7
+
+
 def _field(number: int, body: bytes) -> bytes:
     """A length-delimited protobuf field (wire type 2)."""
     return _varint(number << 3 | 2) + _varint(len(body)) + body
 
 
 def _feature_entry_head(key: bytes, value_length: int) -> bytes:
-    """The bytes of map entry {key, Feature{bytes_list{value}}} up to the value itself."""
-    bytes_list_len = len(_varint(1 << 3 | 2)) + len(_varint(value_length)) + value_length
-    feature_len = len(_varint(1 << 3 | 2)) + len(_varint(bytes_list_len)) + bytes_list_len
-    key_field = _field(1, key)
-    entry_len = len(key_field) + len(_varint(2 << 3 | 2)) + len(_varint(feature_len)) + feature_len
-    return b"".join((_varint(1 << 3 | 2), _varint(entry_len), key_field,
-                     _varint(2 << 3 | 2), _varint(feature_len),
-                     _varint(1 << 3 | 2), _varint(bytes_list_len),
-                     _varint(1 << 3 | 2), _varint(value_length)))
+    """The bytes of map entry {key: Feature{bytes_list{value}}} (field 1 of Features) up to the value."""
+    bytes_list_len = 1 + _varint_length(value_length) + value_length
+    feature_len = 1 + _varint_length(bytes_list_len) + bytes_list_len
+    key_field = _TAG_1 + _varint(len(key)) + key
+    entry_len = len(key_field) + 1 + _varint_length(feature_len) + feature_len
+    return b"".join((_TAG_1, _varint(entry_len), key_field, _TAG_2, _varint(feature_len),
+                     _TAG_1, _varint(bytes_list_len), _TAG_1, _varint(value_length)))
+
+
+def _feature_entry_head_length(key_length: int, value_length: int) -> int:
+    bytes_list_len = 1 + _varint_length(value_length) + value_length
+    feature_len = 1 + _varint_length(bytes_list_len) + bytes_list_len
+    entry_len = 1 + _varint_length(key_length) + key_length + 1 + _varint_length(feature_len) + feature_len
+    return 1 + _varint_length(entry_len) + entry_len - value_length
 
 
 def example_head(path: bytes, data_length: int) -> bytes:
@@ -87,7 +103,14 @@ def example_head(path: bytes, data_length: int) -> bytes:
     path_entry = _feature_entry_head(b"path", len(path)) + path
     data_head = _feature_entry_head(b"data", data_length)
     features_len = len(path_entry) + len(data_head) + data_length
-    return _varint(1 << 3 | 2) + _varint(features_len) + path_entry + data_head
+    return _TAG_1 + _varint(features_len) + path_entry + data_head
+
+
+def example_head_length(path_length: int, data_length: int) -> int:
+    """``len(example_head(path, data_length))`` without building it (the shard plan's arithmetic)."""
+    features_len = (_feature_entry_head_length(4, path_length) + path_length
+                    + _feature_entry_head_length(4, data_length) + data_length)
+    return 1 + _varint_length(features_len) + features_len - data_length
 
 
 def encode_example(path: bytes, data: bytes) -> tuple[bytes, int]:
@@ -98,7 +121,7 @@ def encode_example(path: bytes, data: bytes) -> tuple[bytes, int]:
 
 def record_layout(path: bytes, data_length: int) -> tuple[int, int]:
     """(frame length, data offset inside the frame) of a file's record, without its bytes."""
-    head = len(example_head(path, data_length))
+    head = example_head_length(len(path), data_length)
     return frame_length(head + data_length), HEADER + head
 
 
