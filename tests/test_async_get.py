@@ -508,3 +508,24 @@ def test_a_whole_object_too_far_to_skip_fails_that_read_clearly(scripted, monkey
     finally:
         store.close()
     assert isinstance(result, BadResponse) and "ignores Range" in str(result) and len(server.requests) == 1
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["trio", "threaded"])
+@pytest.mark.parametrize("etag", ['v1"\r\nX-Injected: yes', "v1\n", "v\x00"])
+def test_an_etag_with_cr_lf_is_refused_and_nothing_is_sent(scripted, threaded, etag):
+    server = scripted(lambda n, req: ok(b"0123456789"))
+    store = scripted_store(server, Metrics())
+    call = ("k", 0, 4, etag, 10)
+    try:
+        result = run_gets(store, [call])[0] if not threaded else read_call(store, call)
+    finally:
+        store.close()
+    assert isinstance(result, BadResponse) and "control character" in str(result)
+    assert server.requests == []
+
+
+def read_call(store: S3Store, call: tuple) -> bytes | Exception:
+    try:
+        return store.get(*call)
+    except Exception as exc:      # noqa: BLE001 - the test inspects it
+        return exc

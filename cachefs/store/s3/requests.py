@@ -62,13 +62,17 @@ class Requests:
         response = {"ETag": answer.headers.get("ETag"), "ContentRange": answer.headers.get("Content-Range"),
                     "ContentLength": content_length(answer.headers.get("Content-Length")),
                     "ResponseMetadata": {"HTTPStatusCode": answer.status}}
-        cut = window(answer.status, response["ContentLength"]) if window and answer.status < 300 else None
+        cut, body = None, None
         try:
+            if window is not None and answer.status < 300:
+                cut = window(answer.status, response["ContentLength"])
             body = _read_window(answer, *cut) if cut else answer.read()
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise ConnectionError(f"GET {self._endpoint}{object_path(bucket, key)}: {type(exc).__name__}: "
                                   f"{exc}") from None
         finally:
+            if body is None:
+                answer.close()        # not read to its end (an error, or refused by ``window``): not reusable
             answer.release_conn()
         response["Cut"] = bool(cut)
         if answer.status >= 300:
