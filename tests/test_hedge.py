@@ -233,6 +233,29 @@ def test_no_hedge_when_the_limiter_is_saturated_or_readers_wait():
     assert hedges(metrics, "lost") == 1 and script.cancelled == 1
 
 
+def test_no_hedge_when_the_trio_thread_wakes_up_late():
+    metrics = Metrics()
+    hedger = Hedger(HedgePolicy(), metrics)
+    hedger._tokens = 5.0
+    script = Script(lambda c, attempt: (0.5, None))
+    clock = trio.testing.MockClock(autojump_threshold=0)
+
+    async def hog() -> None:
+        await trio.sleep(0.04)
+        clock.jump(0.1)          # the thread was busy (no checkpoint) past the 50 ms hedge delay
+
+    async def main():
+        await primed(hedger)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hog)
+            await hedger.get(script.call(0), LENGTH, trio.CapacityLimiter(4))
+        await hedger.get(script.call(1), LENGTH, trio.CapacityLimiter(4))     # on time: hedged
+
+    trio.run(main, clock=clock)
+    assert skipped(metrics, "busy") == 1
+    assert hedges(metrics, "lost") == 1
+
+
 def test_first_fails_while_the_hedge_runs_the_hedge_answers():
     metrics = Metrics()
     hedger = Hedger(HedgePolicy(), metrics)

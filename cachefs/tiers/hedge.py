@@ -9,10 +9,10 @@ the other is cancelled.
   attempts return the same version or fail the same way) under a slot of ``limiter``; after
   ``max(min_delay, quantile(percentile))`` it may start the same call again, under a second
   slot. A hedge costs one token of a bucket that earns ``budget`` per GET (so hedges stay
-  under that fraction of GETs) and is never started while the limiter is saturated or readers
-  wait (a hedge under overload adds load where it hurts). If the first attempt fails while the
-  hedge runs, the hedge may still win; if both fail, the first one's error is raised. Retries
-  stay in the store layer.
+  under that fraction of GETs) and is never started while the limiter is saturated, readers
+  wait, or the trio thread wakes up late for it (a hedge under overload adds load where it
+  hurts). If the first attempt fails while the hedge runs, the hedge may still win; if both
+  fail, the first one's error is raised. Retries stay in the store layer.
 
 The loser is cancelled inside a trio cancel scope: the S3 client (``store/s3/http.py``) closes
 a connection interrupted in any way, so no half-read connection goes back to its pool. Stores
@@ -37,6 +37,9 @@ _LOG_GROWTH = math.log(_GROWTH)
 SIZE_CLASSES = ((64 << 10, "le64k"), (256 << 10, "le256k"), (1 << 20, "le1m"), (4 << 20, "le4m"))
 _LARGEST = "gt4m"
 _REFRESH = 10           # GETs between two updates of a size class's hedge delay
+# The trio thread woke this late for the hedge: it is overloaded (or starved of CPU), and the
+# first GET's answer may be waiting unread in its socket; a second GET would only add load.
+_LATE_S = 0.025
 
 
 def size_class(length: int) -> str:
@@ -196,10 +199,12 @@ class Hedger:
         async with trio.open_nursery() as nursery:
             race = _Race(nursery.cancel_scope)
             nursery.start_soon(race.attempt, 0, call)
-            with trio.move_on_after(delay):
+            deadline = trio.current_time() + delay
+            with trio.move_on_at(deadline):
                 await race.done.wait()
             if not race.done.is_set():
-                release = self._take_slot(limiter, busy)
+                late = trio.current_time() - deadline > max(_LATE_S, delay / 2)
+                release = self._take_slot(limiter, lambda: late or busy())
                 if release is not None:
                     hedged = True
                     nursery.start_soon(race.attempt, 1, call, release)
