@@ -121,6 +121,15 @@ def test_ranged_gets_of_a_file_bigger_than_a_block_on_both_paths(store, endpoint
     kind = RANGED_ANSWER[endpoint.name]
     counted = store.metrics.counter_value("cachefs_store_range_fallbacks_total", kind=kind or "whole_object")
     assert counted == (2 * (len(ranges) - 1) if kind else 0)
+    plain = S3Store(store.bucket, "data", metrics=Metrics(),        # --no-lean-requests: boto3 for everything
+                    options=S3Options(endpoint_url=endpoint.url, max_attempts=2, lean_requests=False))
+    try:
+        assert plain._requests is None and plain._async_getter is None
+        for start, end in ranges:
+            assert plain.get("big.bin", start, end, etag, len(data)) == data[start:end]
+            assert get_async(plain, "big.bin", start, end, etag, len(data)) == data[start:end]
+    finally:
+        plain.close()
 
 
 def test_a_changed_object_is_refused_never_mixed(store, endpoint):

@@ -311,6 +311,31 @@ def test_server_ignoring_range_is_sliced(fake_store, metrics, caplog):
     assert [r.levelname for r in caplog.records] == ["WARNING"]           # once per store
 
 
+class CountingBody(io.BytesIO):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.taken = 0
+
+    def read(self, size=-1):
+        data = super().read(size)
+        self.taken += len(data)
+        return data
+
+
+@pytest.mark.allow_warnings
+def test_boto3_path_reads_a_whole_big_object_only_up_to_the_range(fake_store, metrics, monkeypatch):
+    import cachefs.store.s3.answer
+    monkeypatch.setattr(cachefs.store.s3.answer, "MAX_WASTE", 100)
+    data = bytes(range(256)) * 40
+    response = answer(b"", status=200)
+    response["Body"] = body = CountingBody(data)
+    response["ContentLength"] = len(data)
+    fake_store._client.get_object = FakeGet(response)
+    assert fake_store.get("k", 1000, 1500, "e1", len(data)) == data[1000:1500]
+    assert body.taken == 1500 and body.closed
+    assert metrics.counter_value("cachefs_store_range_fallbacks_total", kind="whole_object") == 1
+
+
 @pytest.mark.parametrize("etag", ['e1"\r\nX-Injected: 1', "e1\n", "e\x00"])
 def test_an_etag_with_control_characters_never_reaches_the_wire(fake_store, etag):
     fake_store._client.get_object = fake = FakeGet()
