@@ -21,9 +21,23 @@ from cachefs.tiers.memory import MemoryTier
 LENGTH = 100_000
 
 
-def run_virtual(fn, *args):
-    """Run ``fn`` on a virtual clock that jumps as soon as every task sleeps."""
-    return trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
+def run_virtual(fn, hedger: Hedger | None = None, clock: trio.testing.MockClock | None = None):
+    """Run ``fn`` with ``hedger``'s clock task on a virtual clock that jumps as soon as every
+    task sleeps."""
+    async def main():
+        error = None
+        async with trio.open_nursery() as nursery:
+            if hedger is not None:
+                await nursery.start(hedger.run)
+            try:
+                result = await fn()
+            except Exception as exc:        # noqa: BLE001 - raised below, outside the nursery
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return result
+    return trio.run(main, clock=clock or trio.testing.MockClock(autojump_threshold=0))
 
 
 def hedges(metrics: Metrics, result: str) -> int:
@@ -132,9 +146,9 @@ def test_a_slow_first_get_is_hedged_and_the_hedge_wins():
         data = await hedger.get(script.call(7), LENGTH, trio.CapacityLimiter(4))
         return data, trio.current_time() - started
 
-    data, elapsed = run_virtual(main)
+    data, elapsed = run_virtual(main, hedger)
     assert data == b"data-7"
-    assert elapsed == pytest.approx(0.05 + 0.010)      # the delay, then one normal GET: not 5 s
+    assert elapsed == pytest.approx(0.05 + 0.010, abs=0.0021)     # hedge deadlines tick every 2 ms      # the delay, then one normal GET: not 5 s
     assert script.started == 2 and script.cancelled == 1
     assert hedges(metrics, "won") == 1 and hedges(metrics, "lost") == 0
 
@@ -151,7 +165,7 @@ def test_a_fast_answer_after_the_hedge_started_wins_and_cancels_the_hedge():
         data = await hedger.get(script.call(1), LENGTH, trio.CapacityLimiter(4))
         return data, trio.current_time() - started
 
-    data, elapsed = run_virtual(main)
+    data, elapsed = run_virtual(main, hedger)
     assert data == b"data-1" and elapsed == pytest.approx(0.070)
     assert script.cancelled == 1 and hedges(metrics, "lost") == 1
 
@@ -166,7 +180,7 @@ def test_fast_gets_are_never_hedged():
         for i in range(500):
             await hedger.get(script.call(i), LENGTH, limiter)
 
-    run_virtual(main)
+    run_virtual(main, hedger)
     assert script.started == 500 and script.cancelled == 0
     assert sum(hedges(metrics, r) for r in ("won", "lost", "failed")) == 0
 
@@ -186,7 +200,7 @@ def test_budget_holds_hedges_to_five_percent_over_1000_gets():
                 nursery.start_soon(hedger.get, script.call(i), LENGTH, limiter)
                 await trio.sleep(0.010)
 
-    run_virtual(main)
+    run_virtual(main, hedger)
     started_hedges = script.started - 1000
     assert started_hedges == sum(hedges(metrics, r) for r in ("won", "lost", "failed"))
     assert 40 <= started_hedges <= 50, started_hedges          # <= 5% of 1,000 GETs, and used
@@ -206,7 +220,7 @@ def test_saved_tokens_cover_a_burst_of_stragglers_and_no_more():
             for i in range(1000, 1030):         # then 30 stragglers at once
                 nursery.start_soon(hedger.get, script.call(i), LENGTH, limiter)
 
-    run_virtual(main)
+    run_virtual(main, hedger)
     assert hedges(metrics, "won") == 20        # the saved tokens (the burst's own earnings hit the cap)
     assert skipped(metrics, "budget") == 10
 
@@ -227,7 +241,7 @@ def test_no_hedge_when_the_limiter_is_saturated_or_readers_wait():
                 nursery.start_soon(hedger.get, script.call(2 + i), LENGTH, limiter)
         assert script.started == 6
 
-    run_virtual(main)
+    run_virtual(main, hedger)
     assert skipped(metrics, "busy") == 4
     # once the first two finished, the third GET had a free slot and no one waiting: hedged (and lost)
     assert hedges(metrics, "lost") == 1 and script.cancelled == 1
@@ -251,7 +265,7 @@ def test_no_hedge_when_the_trio_thread_wakes_up_late():
             await hedger.get(script.call(0), LENGTH, trio.CapacityLimiter(4))
         await hedger.get(script.call(1), LENGTH, trio.CapacityLimiter(4))     # on time: hedged
 
-    trio.run(main, clock=clock)
+    run_virtual(main, hedger, clock)
     assert skipped(metrics, "busy") == 1
     assert hedges(metrics, "lost") == 1
 
@@ -266,7 +280,7 @@ def test_first_fails_while_the_hedge_runs_the_hedge_answers():
         await primed(hedger)
         return await hedger.get(script.call(4), LENGTH, trio.CapacityLimiter(4))
 
-    assert run_virtual(main) == b"data-4"
+    assert run_virtual(main, hedger) == b"data-4"
     assert hedges(metrics, "won") == 1
 
 
@@ -282,7 +296,7 @@ def test_both_fail_the_first_error_surfaces():
         await hedger.get(script.call(0), LENGTH, trio.CapacityLimiter(4))
 
     with pytest.raises(StoreError) as info:
-        run_virtual(main)
+        run_virtual(main, hedger)
     assert info.value is first
     assert hedges(metrics, "failed") == 1
 
@@ -298,7 +312,7 @@ def test_a_fast_failure_is_not_hedged():
         await hedger.get(script.call(0), LENGTH, trio.CapacityLimiter(4))
 
     with pytest.raises(StoreError, match="denied"):
-        run_virtual(main)
+        run_virtual(main, hedger)
     assert script.started == 1
 
 
@@ -341,15 +355,18 @@ def test_tiers_hedge_a_straggling_block_get():
     store.slow_path = "f40"
 
     async def main():
-        for i in range(40):
-            assert await tiers.read(FileVersion(f"f{i}", "e", LENGTH), 0, LENGTH) == data
-        started = trio.current_time()
-        got = await tiers.read(FileVersion("f40", "e", LENGTH), 1000, 5000)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(tiers.run)
+            for i in range(40):
+                assert await tiers.read(FileVersion(f"f{i}", "e", LENGTH), 0, LENGTH) == data
+            started = trio.current_time()
+            got = await tiers.read(FileVersion("f40", "e", LENGTH), 1000, 5000)
+            nursery.cancel_scope.cancel()
         return got, trio.current_time() - started
 
     got, elapsed = run_virtual(main)
     assert got == data[1000:6000]
-    assert elapsed == pytest.approx(0.05 + 0.010)
+    assert elapsed == pytest.approx(0.05 + 0.010, abs=0.0021)     # hedge deadlines tick every 2 ms
     assert store.gets.count("f40") == 2
     assert len(store.limiters) == 1 and id(tiers._fetch_limiter) not in store.limiters    # slots taken by Tiers
     assert tiers._fetch_limiter.borrowed_tokens == 0
@@ -401,6 +418,7 @@ def test_the_losing_get_closes_its_connection():
             hedger = Hedger(HedgePolicy(), Metrics())
             hedger._tokens = 5.0
             await primed(hedger)
+            await nursery.start(hedger.run)
 
             async def call() -> bytes:
                 return (await getter.get("bucket", "key", {}))[1]

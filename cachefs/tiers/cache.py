@@ -104,10 +104,13 @@ class Tiers:
         self._no_limit = trio.CapacityLimiter(math.inf)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run the disk tier and own the nursery in which readahead runs, until cancelled."""
+        """Run the disk tier and the hedge clock, and own the nursery in which readahead runs,
+        until cancelled."""
         async with trio.open_nursery() as nursery:
             if self.disk is not None:
                 await nursery.start(self.disk.run)
+            if self._hedger is not None:
+                await nursery.start(self._hedger.run)
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
