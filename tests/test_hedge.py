@@ -432,3 +432,20 @@ def test_the_losing_get_closes_its_connection():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_finished_gets_leave_no_data_behind_in_the_deadline_heap():
+    metrics = Metrics()
+    hedger = Hedger(HedgePolicy(), metrics)
+    script = Script(lambda c, attempt: (0.001, None))
+
+    async def main():
+        await primed(hedger)
+        for i in range(10):
+            await hedger.get(script.call(i), LENGTH, trio.CapacityLimiter(4))
+        pending = [flight for _, _, flight in hedger._pending]
+        assert len(pending) == 10 and all(f.value == b"" and f.done for f in pending)
+        await trio.sleep(0.1)
+        assert hedger._pending == []                 # popped once due
+
+    run_virtual(main, hedger)

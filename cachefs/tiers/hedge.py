@@ -218,7 +218,8 @@ class Hedger:
             await flight.settled.wait()
         if flight.winner is None:
             raise flight.errors[0] or flight.errors[1] or StoreError("hedged GET ended without an answer")
-        return flight.value
+        value, flight.value = flight.value, b""      # the heap keeps the flight until its deadline
+        return value
 
     def _schedule(self, flight: _Flight, deadline: float) -> None:
         deadline = math.ceil(deadline / _TICK_S) * _TICK_S        # one clock wake-up serves a tick
