@@ -449,3 +449,15 @@ def test_finished_gets_leave_no_data_behind_in_the_deadline_heap():
         assert hedger._pending == []                 # popped once due
 
     run_virtual(main, hedger)
+
+
+def test_hedge_options_are_validated():
+    from cachefs.config import build_config
+    from cachefs.errors import ConfigError
+    base = {"url": "s3://b", "mountpoint": "/mnt/x"}
+    cfg = build_config({**base, "hedge_percentile": "90", "hedge_budget": "0", "hedge_min_delay": "0.2"})
+    assert (cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay) == (90.0, 0.0, 0.2)
+    for bad in ({"hedge_percentile": 100}, {"hedge_percentile": 10}, {"hedge_budget": 1.5},
+                {"hedge_budget": -0.1}, {"hedge_min_delay": -1}):
+        with pytest.raises(ConfigError, match="hedge_"):
+            build_config({**base, **bad})
