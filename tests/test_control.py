@@ -181,6 +181,9 @@ def test_state_changing_commands_only_for_root_and_the_owner(uid, allowed):
         assert f"uid {uid}" in replies[0]["error"] and calls == []
     # read-only commands answer everyone
     assert exchange(control, encode_request("ping"), uid=uid)[-1] == {"kind": "end"}
+    # a refused caller learns nothing about the arguments and runs nothing
+    (refused,) = exchange(control, encode_request("poke", {"bogus": 1}), uid=uid)
+    assert refused["code"] == (ExitCode.USAGE if allowed else ExitCode.PERMISSION)
 
 
 @pytest.mark.parametrize("uid, may_change", [(0, True), (OWNER, True), (7, False)])

@@ -132,13 +132,12 @@ class Control:
         """The command to run and its checked arguments, its caller allowed; a typed error otherwise."""
         command = self._commands.get(request.op)
         if command is None:
-            raise Unsupported(f"unknown command {request.op!r} (this daemon has: "
+            raise Unsupported(f"unknown command {request.op[:80]!r} (this daemon has: "
                               f"{', '.join(self.names())})")
-        args = protocol.validate_args(request.op, command.args, request.args)
         if command.changes_state and not self.may_change(caller):
             raise PermissionDenied(f"{request.op}: only root and the mount's owner (uid {self.owner_uid}) may "
                                    f"change this mount; uid {caller.uid} may use the read-only commands")
-        return command, args
+        return command, protocol.validate_args(request.op, command.args, request.args)
 
     def may_change(self, caller: Caller) -> bool:
         return caller.uid in (0, self.owner_uid)
