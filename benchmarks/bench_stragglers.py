@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--straggler-fraction", type=float, default=0.01)
     parser.add_argument("--straggler-ms", type=float, default=200.0)
     parser.add_argument("--runs", type=int, default=2, help="runs of each mode, alternated")
+    parser.add_argument("--on-first", action="store_true", help="start with hedging on (order effects)")
     parser.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs")
     parser.add_argument("--mount-opt", action="append", default=[], help="extra cachefs mount flag (repeat)")
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/cachefs-bench-stragglers"))
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                 args.file_size)), names))
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for i in range(args.runs * 2):
-            hedging = i % 2 == 1
+            hedging = (i % 2 == 1) != args.on_first
             result = one_run(args, server.endpoint_url, order, hedging, i)
             runs[hedging].append(result)
             print(f"run {i}: hedging {'on ' if hedging else 'off'} p99 {pct(result['latencies'], 99) * 1000:.1f} ms, "
