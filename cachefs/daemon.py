@@ -184,7 +184,7 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                 daemon.exporter.close()
             pyfuse3.close(unmount=unmount)
             with trio.move_on_after(30, shield=True):
-                await daemon.disk.wait_idle()     # queued cache fills reach the disk tier
+                await daemon.tiers.wait_idle()    # queued cache fills reach the disk tier
             if daemon.writeback is not None:
                 await _drain(daemon.writeback, cfg.drain_timeout)
             daemon.vfs.close()

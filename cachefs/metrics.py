@@ -52,7 +52,7 @@ class Metrics:
         self.store_range_fallbacks = Counter("cachefs_store_range_fallbacks",
                                              "Ranged GETs answered 200 whose bytes were proven right",
                                              ["kind"], registry=r)
-        self.readahead_blocks = Counter("cachefs_readahead_blocks", "Blocks prefetched by readahead",
+        self.readahead_blocks = Counter("cachefs_readahead_blocks", "Blocks fetched ahead by readahead",
                                         registry=r)
         self.singleflight_joins = Counter("cachefs_singleflight_joins",
                                           "Reads that joined an in-flight download", registry=r)
