@@ -27,7 +27,7 @@ DATASET_ARGS = {"label": Arg(str), "paths": Arg(list), "globs": Arg(list), "uplo
 WARMUP_ARGS = DATASET_ARGS | {"concurrency": Arg(int), "force": Arg(bool), "pin": Arg(bool),
                               "detach": Arg(bool), "bandwidth_limit": Arg(float)}
 SYNC_ARGS = {"class": Arg(str, choices=("log", "checkpoint")), "wait": Arg(bool), "timeout": Arg(float)}
-# name -> (changes state, args) of the warm engine's commands (``Prefetcher.commands()``)
+# name -> (changes state, args) of the warm engine's commands (``Warmer.commands()``)
 WARM_COMMANDS = {"warmup": (True, WARMUP_ARGS),
                  "warmup_paths": (True, {"paths": Arg(list), "upload": Arg(str)}),
                  "warmup_check": (False, DATASET_ARGS),
