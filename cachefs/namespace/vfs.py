@@ -25,7 +25,7 @@ from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, Node, No
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.singleflight import SingleFlight
 from cachefs.store import Listing, ObjectInfo, ObjectStore
-from cachefs.tiers.cache import BlockCache, FileVersion
+from cachefs.tiers.cache import FileVersion, Tiers
 from cachefs.writeback.engine import Writeback
 from cachefs.writeback.overlay import staged_info
 from cachefs.writeback.staged import StagedFile
@@ -49,7 +49,7 @@ class FsStats:
 
 
 class Vfs:
-    def __init__(self, store: ObjectStore, blocks: BlockCache, snapshot: ListingSnapshot | None, *,
+    def __init__(self, store: ObjectStore, blocks: Tiers, snapshot: ListingSnapshot | None, *,
                  metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None,
                  writeback: Writeback | None = None, fsync_remote: bool = False,
                  source: DirSource | None = None) -> None:
@@ -261,7 +261,7 @@ class Vfs:
         return handle, keep_cache
 
     async def preload(self, handle: Handle) -> bytes | None:
-        """Content to push into the kernel page cache at open (see BlockCache.preload)."""
+        """Content to push into the kernel page cache at open (see Tiers.preload)."""
         if handle.file is None or handle.node.staged is not None:
             return None
         return await self.blocks.preload(handle.file)
@@ -525,7 +525,7 @@ class Vfs:
         if self.snapshot is not None:
             self.snapshot.update_file(info)
 
-    # ---- warmup (cachefs/prefetcher.py) ----------------------------------------------------
+    # ---- warmup (cachefs/warm/engine.py) ----------------------------------------------------
     def adopt_tree(self, path: str, infos: list[ObjectInfo], listed_at: float) -> None:
         """Take a recursive listing (every object below directory ``path``, as ``list_all``
         returns it) as the listing of ``path`` and of each directory under it, in memory and
