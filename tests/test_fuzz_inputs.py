@@ -229,10 +229,6 @@ def replay_with(tmp_path: Path, raw: bytes):
 
 
 @pytest.mark.allow_warnings
-@pytest.mark.xfail(strict=True, reason="bug 6 in docs/reliability.md: a record whose JSON is not an object (a list, "
-                   "a string, a number) raises AttributeError/TypeError past Journal._read_records "
-                   "(cachefs/writeback/journal.py Record.from_json), so the daemon cannot start; a null path "
-                   "replays to the key 'None'")
 @FUZZ
 @given(st.one_of(json_values.map(lambda v: json.dumps(v).encode()), record_fields.map(lambda d: json.dumps(d).encode()),
                  st.binary(max_size=80)))

@@ -45,6 +45,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 FILE, DELETE, MKDIR, RMDIR = "file", "delete", "mkdir", "rmdir"
 _KINDS = (FILE, DELETE, MKDIR, RMDIR)
+_HEX = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(slots=True)
@@ -69,16 +71,34 @@ class Record:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Record":
+        """Parse a record; ValueError for anything but a well-formed one (UnicodeDecodeError and
+        JSONDecodeError are ValueErrors too)."""
         data = json.loads(raw)
-        if data.pop("v", None) != FORMAT_VERSION or data.get("kind") not in _KINDS:
+        if not isinstance(data, dict) or data.get("v") != FORMAT_VERSION or data.get("kind") not in _KINDS:
             raise ValueError(f"unknown record format: {raw[:200]!r}")
-        return cls(id=int(data["id"], 16), seq=int(data["seq"], 16), kind=data["kind"],
-                   path=str(data["path"]), created=float(data["created"]))
+        ident, seq, path, created = data.get("id"), data.get("seq"), data.get("path"), data.get("created")
+        if not (isinstance(ident, str) and isinstance(seq, str) and _valid_path(path)
+                and isinstance(created, int | float) and not isinstance(created, bool)):
+            raise ValueError(f"malformed record: {raw[:200]!r}")
+        return cls(id=_hex(ident), seq=_hex(seq), kind=data["kind"], path=path, created=float(created))
 
     @property
     def slot(self) -> tuple[bool, str]:
         """What records compete for: (is a directory, path)."""
         return self.kind in (MKDIR, RMDIR), self.path
+
+
+def _hex(text: str) -> int:
+    if not _HEX.fullmatch(text):
+        raise ValueError(f"not 16 hex digits: {text!r}")
+    return int(text, 16)
+
+
+def _valid_path(path: object) -> bool:
+    """An object key relative to the mount's prefix: a non-empty string, no empty, "." or ".."
+    component, no NUL."""
+    return (isinstance(path, str) and path != "" and "\0" not in path
+            and all(part not in ("", ".", "..") for part in path.split("/")))
 
 
 class Journal:
@@ -171,16 +191,27 @@ class Journal:
             if name.endswith(".tmp"):
                 os.unlink(full)           # a record whose rename never happened: never acknowledged
                 continue
+            if not name.endswith(".json"):
+                continue                  # e.g. a record kept aside (*.bad) by an earlier start
             try:
                 with open(full, "rb") as fh:
                     record = Record.from_json(fh.read())
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.error("journal: unreadable record %s kept aside (%s)", full, exc)
-                os.rename(full, full + ".bad")
+            except (OSError, ValueError) as exc:
+                self._keep_aside(full, exc)
                 continue
             self._counter = max(self._counter, record.id, record.seq)
             records.append(record)
         return records
+
+    def _keep_aside(self, full: str, exc: Exception) -> None:
+        """A record that cannot be read or makes no sense: renamed ``*.bad`` (not deleted: its
+        data file is kept too, for a human), one warning line, never a traceback."""
+        reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        log.warning("journal: unreadable record %s kept aside as %s.bad (%s)", full, os.path.basename(full), reason)
+        try:
+            os.rename(full, full + ".bad")
+        except OSError as err:
+            log.warning("journal: cannot rename %s aside: %s", full, err.strerror)
 
     def _has_data(self, record: Record) -> bool:
         if os.path.exists(self.data_path(record.id)):
@@ -195,12 +226,25 @@ class Journal:
             self.remove_data(record.id)
 
     def _remove_orphan_data(self, live_ids: set[int]) -> None:
+        kept_aside = self._kept_aside_ids()
         for name in os.listdir(self.data_dir):
-            try:
-                ident = int(name, 16)
-            except ValueError:
+            if not _HEX.fullmatch(name):
                 continue
+            full = os.path.join(self.data_dir, name)
+            ident = int(name, 16)
             self._counter = max(self._counter, ident)
-            if ident not in live_ids:
-                log.info("journal: removing unacknowledged staging file %s", name)
-                os.unlink(os.path.join(self.data_dir, name))
+            if ident in live_ids or ident in kept_aside:
+                continue
+            if not os.path.isfile(full) or os.path.islink(full):
+                log.warning("journal: %s is not a staging file; left alone", full)
+                continue
+            log.info("journal: removing unacknowledged staging file %s", name)
+            os.unlink(full)
+
+    def _kept_aside_ids(self) -> set[int]:
+        """Ids of records kept aside (``*.json.bad``): their data files stay, like the records."""
+        ids = set()
+        for name in os.listdir(self.records_dir):
+            if name.endswith(".json.bad") and _HEX.fullmatch(name[:16]):
+                ids.add(int(name[:16], 16))
+        return ids
