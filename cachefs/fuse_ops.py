@@ -179,9 +179,13 @@ class Operations(pyfuse3.Operations):
         handle, keep_cache = await self.vfs.open(inode, flags)
         if not keep_cache and not flags & (os.O_WRONLY | os.O_RDWR):
             data = await self.vfs.preload(handle)
-            if data is not None:
+            if data is not None and handle.node.opens == 1:
                 # the pinned version's pages, stored before the open returns: the kernel keeps them
-                # and serves the reads itself (one FUSE round trip less per small file)
+                # and serves the reads itself (one FUSE round trip less per small file). Only while
+                # this is the inode's one handle (checked with no await before the store): a READ
+                # of another handle holds its page locked until we answer it, and notify_store
+                # blocks this thread on that lock, the whole mount with it (bug 7). With no other
+                # handle no READ can be pending: the kernel sends RELEASE only after its last READ.
                 pyfuse3.notify_store(inode, 0, data)
                 keep_cache = True
         return pyfuse3.FileInfo(fh=handle.fh, keep_cache=keep_cache)
