@@ -25,8 +25,10 @@ from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointE
 from cachefs.fuse_ops import Operations
 from cachefs.host import CacheDirLock, check_fuse, check_mountpoint, tune_kernel, tune_malloc
 from cachefs.metrics import Exporter, Metrics
+from cachefs.namespace.packed import PackedView, open_packed
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
+from cachefs.packfmt import Manifest, PackedIndex
 from cachefs.store import ObjectStore, open_store
 from cachefs.tiers.cache import Tiers
 from cachefs.tiers.disk import DiskTier
@@ -42,7 +44,8 @@ log = logging.getLogger(__name__)
 class Daemon:
     """The parts of one mount, built in order; ``status()`` feeds the control file."""
 
-    def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: Metrics) -> None:
+    def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: Metrics,
+                 packed: tuple[Manifest, PackedIndex] | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.metrics = metrics
@@ -58,13 +61,18 @@ class Daemon:
                            readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
                            max_readaheads=cfg.max_prefetches, hedger=Hedger(HedgePolicy(
                                cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay), metrics))
+        # a packed dataset (cachefs pack): its index is the listing; read-only, immutable while mounted
+        self.packed = PackedView(store, *packed, self.tiers, metrics) if packed is not None else None
+        immutable = cfg.immutable or self.packed is not None
         try:
-            snapshot = ListingSnapshot(cfg.cache_dir, store.identity)
+            snapshot = ListingSnapshot(cfg.cache_dir, store.identity) if self.packed is None else None
         except (OSError, sqlite3.Error) as exc:
             raise CacheDirError(f"cache dir {cfg.cache_dir}: cannot write the listing snapshot ({exc})") from None
-        self.writeback: Writeback | None = make_writeback(cfg, store, metrics) if cfg.writable else None
-        self.vfs = Vfs(store, self.tiers, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable,
-                       writeback=self.writeback, fsync_remote=cfg.fsync == "remote")
+        self.writeback: Writeback | None = (make_writeback(cfg, store, metrics)
+                                            if cfg.writable and self.packed is None else None)
+        self.vfs = Vfs(store, self.tiers, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=immutable,
+                       writeback=self.writeback, fsync_remote=cfg.fsync == "remote", source=self.packed,
+                       packed=self.packed)
         self.warmer = Warmer(self.vfs, self.tiers, store, metrics,
                              max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
                              dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget)
@@ -74,7 +82,7 @@ class Daemon:
                                  self._sync_command if self.writeback is not None else None)
         self.control = Control(self.vfs.new_fh, commands, owner_uid=uid)
         self.ops = Operations(self.vfs, self.control, metrics, uid=uid, gid=gid, file_mode=cfg.file_mode,
-                              dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=cfg.immutable)
+                              dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
 
     def status(self) -> dict:
         m = self.metrics
@@ -93,6 +101,7 @@ class Daemon:
                 "store_read_bytes": int(m.counter_value("cachefs_store_read_bytes_total")),
                 "read_bytes": int(m.counter_value("cachefs_read_bytes_total")),
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
+                "packed_crc_errors": int(m.counter_value("cachefs_packed_crc_errors_total")),
                 "writeback": self.writeback.status() if self.writeback else None,
                 "warmup": self.warmer.status()}
 
@@ -119,7 +128,11 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                            max_attempts=cfg.max_attempts, lean_requests=cfg.lean_requests)
         check_store(store, cfg)
-        daemon = Daemon(cfg, store, metrics)
+        packed = open_packed(store)
+        if packed is not None:
+            log.info("%s is a packed dataset (%d files in %d shards, generation %d): mounting its original tree "
+                     "read-only (writes get EROFS)", cfg.url, packed[0].files, packed[0].shards, packed[0].generation)
+        daemon = Daemon(cfg, store, metrics, packed)
         try:
             trio.run(_serve, daemon, on_ready)
         except BaseExceptionGroup as group:

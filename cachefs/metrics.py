@@ -36,6 +36,7 @@ class Metrics:
                                      ["tier", "reason"], registry=r)
         self.corrupt_blocks = Counter("cachefs_corrupt_blocks", "Disk-tier blocks that failed verification",
                                       registry=r)
+        self.packed_crc_errors = Counter("cachefs_packed_crc_errors", "Packed records whose crc32c failed", registry=r)
         self.disk_errors = Counter("cachefs_disk_errors", "I/O errors on the cache disk", ["op"], registry=r)
         # 0 healthy, 1 unstable, 2 down
         self.disk_health = Gauge("cachefs_disk_health", "Cache disk state: 0 healthy, 1 unstable, 2 down",

@@ -22,7 +22,8 @@ from cachefs.errors import NoSuchKey, StoreError
 from cachefs.namespace.dirs import DirHandle, DirSource, DirState, dir_prefix, join, split
 from cachefs.namespace.handles import Handle
 from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, Node, NodeTable
-from cachefs.namespace.snapshot import ListingSnapshot
+from cachefs.namespace.packed import PACKED_DIR, PackedView
+from cachefs.namespace.snapshot import ListingSnapshot, NoSnapshot
 from cachefs.singleflight import SingleFlight
 from cachefs.store import Listing, ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
@@ -52,8 +53,9 @@ class Vfs:
     def __init__(self, store: ObjectStore, blocks: Tiers, snapshot: ListingSnapshot | None, *,
                  metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None,
                  writeback: Writeback | None = None, fsync_remote: bool = False,
-                 source: DirSource | None = None) -> None:
+                 source: DirSource | None = None, packed: PackedView | None = None) -> None:
         self.store = store
+        self.packed = packed        # a packed dataset's view (namespace/packed.py), also its source
         self.source: DirSource = source if source is not None else store   # what lives under a directory
         self.wb = writeback         # None: a read-only mount (EROFS)
         self.fsync_remote = fsync_remote
@@ -62,6 +64,7 @@ class Vfs:
             writeback.on_retired = self._retired
         self.blocks = blocks
         self.snapshot = snapshot
+        self._saved = snapshot if snapshot is not None else NoSnapshot()   # told of the mount's own changes
         self.ttl = metadata_ttl
         self.immutable = immutable
         self._limiter = list_limiter or trio.CapacityLimiter(16)
@@ -90,9 +93,14 @@ class Vfs:
             if saved is not None:
                 state = self._dirs[path] = DirState.from_listing(saved[1], saved[0])
                 self._overlay(path, state)
-                if self.is_fresh(state.listed_at):
+                if self.is_fresh(state.listed_at) and not self._journal_touched(path):
                     return state
         return await self._listings.do(path, lambda: self._relist(path, state))
+
+    def _journal_touched(self, path: str) -> bool:
+        """A record replayed at start names a child of ``path``: a killed daemon may have changed
+        the bucket there after its last snapshot write, so relist once (docs/writeback.md)."""
+        return self.wb is not None and path in self.wb.replayed_dirs
 
     async def _relist(self, path: str, stale: DirState | None) -> DirState:
         prefix = dir_prefix(path)
@@ -108,6 +116,8 @@ class Vfs:
         state = self._dirs[path] = DirState.from_listing(listing, started)
         if self.snapshot is not None:
             self.snapshot.save(prefix, listing, started)
+        if self.wb is not None:
+            self.wb.replayed_dirs.discard(path)
         self._refresh_known_children(path, state, started)
         self._overlay(path, state)
         return state
@@ -169,6 +179,8 @@ class Vfs:
 
     async def child(self, parent: Node, name: str) -> Node:
         """The node for ``name`` in ``parent`` without touching its lookup count."""
+        if self.packed is not None and parent.inode == ROOT_INODE and name == PACKED_DIR:
+            return self._node_for(PACKED_DIR, True, None)    # the raw layout: found, not listed
         state = await self.dir_state(parent.path)
         path = join(parent.path, name)
         if name in state.dirs:
@@ -248,6 +260,8 @@ class Vfs:
         node = self.node(inode)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        if self.packed is not None:
+            return self._open_packed(node, flags)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             return await self._open_for_write(node, flags), False
         if node.staged is not None:
@@ -260,6 +274,19 @@ class Vfs:
         node.opens += 1
         return handle, keep_cache
 
+    def _open_packed(self, node: Node, flags: int) -> tuple[Handle, bool]:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            log.info("%s: refused a write (EROFS): a packed dataset is read-only; repack to change it", node.path)
+            raise FsError(errno.EROFS)
+        node.packed = self.packed.ref(node.path, node.size, node.etag)   # verified anew by each open
+        keep_cache = node.kernel_etag == node.etag
+        node.kernel_etag = node.etag
+        fh = self.new_fh()
+        raw = node.packed.crc is None      # a raw object of the layout is its own file (preload works)
+        handle = self.handles[fh] = Handle(fh, node, node.packed.file if raw else None)
+        node.opens += 1
+        return handle, keep_cache
+
     async def preload(self, handle: Handle) -> bytes | None:
         """Content to push into the kernel page cache at open (see Tiers.preload)."""
         if handle.file is None or handle.node.staged is not None:
@@ -269,6 +296,8 @@ class Vfs:
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
         node = handle.node
+        if node.packed is not None:
+            return await self.packed.read(node.packed, handle.stream, offset, size)
         entry = node.staged if node.staged is not None else handle.entry
         if entry is not None and entry.readable:
             return self.wb.read(entry, offset, size)
@@ -417,6 +446,7 @@ class Vfs:
         path = join(parent.path, name)
         await wb.make_dir(path)
         self._set_dir(path, True)
+        self._saved.dir_changed(path, True)
         node = self._node_for(path, True, None)
         self.remember(node)
         return node
@@ -435,6 +465,7 @@ class Vfs:
             raise FsError(errno.ENOTEMPTY)
         await wb.remove_dir(path)
         self._set_dir(path, False)
+        self._saved.dir_changed(path, False)
         self._nodes.unlink(path)
 
     async def unlink(self, parent_inode: int, name: str) -> None:
@@ -451,6 +482,7 @@ class Vfs:
         else:
             raise FsError(errno.ENOENT)
         self._set_file(path, None)
+        self._saved.file_changed(path, None)
         self._nodes.unlink(path)
 
     async def rename(self, old_parent: int, old_name: str, new_parent: int, new_name: str, flags: int) -> None:
@@ -481,16 +513,20 @@ class Vfs:
         if entry is not None:
             await wb.move(entry, new, replaces_object=replaces and wb.staged(new) is None)
             self._set_file(old, None)
+            self._saved.file_changed(old, None)        # the new name's row comes with its upload
             self._set_file(new, staged_info(entry))
             return
         # A file only in the store: a server-side copy now, the old name deleted by a tombstone.
-        info = await trio.to_thread.run_sync(self.store.copy, old, new, limiter=self._limiter)
+        with self._saved.stale_while(split(new)[0]):       # no record covers the copy
+            info = await trio.to_thread.run_sync(self.store.copy, old, new, limiter=self._limiter)
+            self._saved.file_changed(new, info)
         other = wb.staged(new)
         if other is not None:
             await wb.unlink(other)
         wb.cancel_delete(new)
         await wb.delete(old)
         self._set_file(old, None)
+        self._saved.file_changed(old, None)
         self._set_file(new, info)
         self._uploaded[new] = (info, time.time())
 
@@ -507,6 +543,8 @@ class Vfs:
         await self.wb.remove_dir(old)
         self._set_dir(old, False)
         self._set_dir(new, True)
+        self._saved.dir_changed(old, False)
+        self._saved.dir_changed(new, True)
 
     def _retired(self, entry: StagedFile, info: ObjectInfo) -> None:
         """``entry`` is in the store as ``info``: serve it through the block cache from now on."""
@@ -522,8 +560,7 @@ class Vfs:
         self._uploaded[entry.path] = (info, now)
         if len(self._uploaded) > 10000:
             self._uploaded = {p: v for p, v in self._uploaded.items() if now - v[1] < 300}
-        if self.snapshot is not None:
-            self.snapshot.update_file(info)
+        self._saved.file_changed(entry.path, info)
 
     # ---- warmup (cachefs/warm/engine.py) ----------------------------------------------------
     def adopt_tree(self, path: str, infos: list[ObjectInfo], listed_at: float) -> None:

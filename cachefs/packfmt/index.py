@@ -180,6 +180,13 @@ class PackedIndex:
         i = bisect.bisect_left(self._view, prefix)
         return i < len(self._view) and self._view[i].startswith(prefix)
 
+    def rows_below(self, path: str) -> tuple[int, int]:
+        """The rows [lo, hi) of every file below directory ``path`` ("" is the root)."""
+        if not path:
+            return 0, len(self._view)
+        lo = bisect.bisect_left(self._view, f"{path}/")
+        return lo, bisect.bisect_left(self._view, f"{path}0", lo)   # "0" sorts right after "/"
+
     def list_dir(self, path: str) -> tuple[list[int], list[str]]:
         """(rows of the direct child files, names of the child directories) of directory ``path``
         ("" is the root). Each sub-tree is skipped with one binary search."""

@@ -1,0 +1,226 @@
+"""The packed-dataset view: a dataset packed by `cachefs pack` mounted as its original tree.
+
+The index (``cachefs.packfmt``) is the listing: names, sizes and mtimes come from it, so the
+mount never LISTs the shards. A packed file's bytes are a range of its shard, read through the
+tiers as ``FileVersion(shard path, shard ETag from the shards table, shard size)``: the cache
+holds shard blocks, one GET serves every file in a block, and readahead follows the shard (one
+``Stream`` per shard, shared by the handles reading it). The raw layout (manifest, index/,
+shards/) stays reachable below the hidden directory ``.cachefs-packed`` (not listed in the root,
+found by name) for the native loader, ``cachefs.data``.
+
+crc32c rule (docs/packer.md): a file of at most ``VERIFY_WHOLE_MAX`` bytes is read whole on a
+handle's first read and checked against its index crc before any byte is served; a larger one is
+checked as it is read in order from offset 0 (a mismatch fails the read that completes it). A
+mismatch evicts the record's blocks, counts ``cachefs_packed_crc_errors_total``, refetches once
+(small files), and is EIO if the bytes are still wrong.
+"""
+
+import errno
+import logging
+from dataclasses import dataclass
+
+from cachefs.errors import NoSuchKey
+from cachefs.metrics import Metrics
+from cachefs.namespace.nodes import FsError
+from cachefs.packfmt import Manifest, PackedIndex, open_index, read_manifest, shard_path
+from cachefs.packfmt.errors import CorruptRecord
+from cachefs.packfmt.tfrecord import crc32c
+from cachefs.store import Listing, ObjectInfo, ObjectStore
+from cachefs.tiers.cache import FileVersion, Stream, Tiers
+
+log = logging.getLogger(__name__)
+
+PACKED_DIR = ".cachefs-packed"    # the raw layout, found by name below the mount root
+VERIFY_WHOLE_MAX = 8 << 20        # larger files are verified as they are read in order
+STREAM_SLACK = 1 << 20            # a read this close to a shard's last one still counts as sequential
+
+
+def open_packed(store: ObjectStore) -> tuple[Manifest, PackedIndex] | None:
+    """The manifest and index when the store's root is a packed dataset, else None. An unknown
+    manifest version (UnknownVersion, exit 24) or a corrupt index (CorruptIndex, exit 23) raises."""
+    if read_manifest(store) is None:
+        return None
+    return open_index(store)
+
+
+@dataclass(slots=True)
+class PackedRef:
+    """Where one open file's bytes are: ``size`` bytes at ``offset`` of ``file``; ``crc`` is
+    None for a raw object of the layout (its bytes are the object's, unchecked here)."""
+
+    file: FileVersion
+    offset: int
+    size: int
+    crc: int | None
+    verified: bool = False
+    stream_crc: int = 0
+    stream_end: int = 0           # bytes [0, stream_end) were read in order into stream_crc
+
+
+def is_raw(path: str) -> bool:
+    return path == PACKED_DIR or path.startswith(PACKED_DIR + "/")
+
+
+def _store_path(path: str) -> str:
+    return path[len(PACKED_DIR) + 1:]
+
+
+class PackedView:
+    """The namespace (a ``DirSource``) and the read path of one packed dataset."""
+
+    def __init__(self, store: ObjectStore, manifest: Manifest, index: PackedIndex, tiers: Tiers,
+                 metrics: Metrics) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.index = index
+        self.tiers = tiers
+        self.crc_errors = metrics.packed_crc_errors
+        shards = index.shards.select(["shard", "etag", "bytes"]).to_pylist()
+        self._shards = [FileVersion(shard_path(s["shard"]), s["etag"], s["bytes"]) for s in shards]
+        self._streams: dict[str, Stream] = {}
+
+    # ---- the namespace ------------------------------------------------------------------------
+    def list_dir(self, prefix: str) -> Listing:
+        path = prefix.rstrip("/")
+        if is_raw(path):
+            raw = self.store.list_dir(_store_path(prefix) if path != PACKED_DIR else "")
+            return Listing([ObjectInfo(f"{PACKED_DIR}/{i.path}", i.size, i.mtime, i.etag) for i in raw.files],
+                           raw.dirs)
+        rows, dirs = self.index.list_dir(path)
+        return Listing([self._info(e) for e in self.index.entries(rows)] if rows else [], dirs)
+
+    @staticmethod
+    def _info(entry) -> ObjectInfo:
+        return ObjectInfo(entry.path, entry.size, entry.mtime, f"g{entry.generation}-{entry.etag}")
+
+    def ref(self, path: str, size: int, etag: str) -> PackedRef:
+        """Where the bytes of the file at ``path`` (as the node shows it) are."""
+        if is_raw(path):
+            return PackedRef(FileVersion(_store_path(path), etag, size), 0, size, None)
+        row = self.index.find(path)
+        if row is None:
+            raise FsError(errno.ENOENT, f"{path}: not in the packed index")
+        entry = self.index.entry(row)
+        return PackedRef(self._shards[entry.shard], entry.data_offset, entry.data_length, entry.crc32c)
+
+    # ---- reads --------------------------------------------------------------------------------
+    async def read(self, ref: PackedRef, stream: Stream, offset: int, size: int) -> bytes:
+        end = min(offset + size, ref.size)
+        if offset >= end:
+            return b""
+        if ref.crc is None:
+            return await self.tiers.read(ref.file, offset, end - offset, stream)
+        if ref.verified:
+            return await self._range(ref, offset, end)
+        if ref.size <= VERIFY_WHOLE_MAX:
+            data = await self._whole(ref)
+            ref.verified = True
+            return data if (offset, end) == (0, ref.size) else data[offset:end]
+        data = await self._range(ref, offset, end)
+        self._stream_check(ref, offset, end, data)
+        return data
+
+    async def _range(self, ref: PackedRef, offset: int, end: int) -> bytes:
+        return await self.tiers.read(ref.file, ref.offset + offset, end - offset, self._stream(ref, offset))
+
+    def _stream(self, ref: PackedRef, offset: int) -> Stream:
+        """The shard's readahead stream; a read near where the shard's last read ended (the next
+        file of the shard, or a neighbour's read overtaking it) continues it."""
+        stream = self._streams.get(ref.file.path)
+        if stream is None:
+            stream = self._streams[ref.file.path] = Stream()
+        start = ref.offset + offset
+        if stream.next_offset and abs(start - stream.next_offset) <= STREAM_SLACK:
+            stream.next_offset = start
+        return stream
+
+    async def _whole(self, ref: PackedRef) -> bytes:
+        """The whole file, checked against its crc; refetched once from the store on a mismatch."""
+        data = await self._range(ref, 0, ref.size)
+        if crc32c(data) == ref.crc:
+            return data
+        self._corrupt(ref)
+        data = await self._range(ref, 0, ref.size)
+        if crc32c(data) == ref.crc:
+            log.info("%s: crc32c mismatch at offset %d; the refetched bytes are right", ref.file.path, ref.offset)
+            return data
+        self.evict(ref)
+        raise CorruptRecord(f"{ref.file.path}: the record at data offset {ref.offset} fails its crc32c "
+                            f"(refetched once): the shard is corrupt")
+
+    def _stream_check(self, ref: PackedRef, offset: int, end: int, data: bytes) -> None:
+        if not offset <= ref.stream_end < end:
+            return
+        ref.stream_crc = crc32c(memoryview(data)[ref.stream_end - offset:], ref.stream_crc)
+        ref.stream_end = end
+        if end < ref.size:
+            return
+        if ref.stream_crc == ref.crc:
+            ref.verified = True
+            return
+        ref.stream_crc = ref.stream_end = 0
+        self._corrupt(ref)
+        raise CorruptRecord(f"{ref.file.path}: the record at data offset {ref.offset} fails its crc32c: "
+                            f"its blocks are evicted, a reread fetches them again")
+
+    def _corrupt(self, ref: PackedRef) -> None:
+        self.crc_errors.inc()
+        log.error("%s: crc32c mismatch of the %d-byte record at data offset %d; evicting its blocks",
+                  ref.file.path, ref.size, ref.offset)
+        self.evict(ref)
+
+    def evict(self, ref: PackedRef) -> None:
+        """Drop the blocks holding the record from the memory and disk tiers."""
+        tiers, bs = self.tiers, self.tiers.block_size
+        for index in range(ref.offset // bs, (ref.offset + max(ref.size, 1) - 1) // bs + 1):
+            key = tiers.key(ref.file, index)
+            tiers.memory.discard(key)
+            if tiers.disk is not None:
+                tiers.disk.discard(key)
+
+    # ---- warmup (cachefs/warm/engine.py) -------------------------------------------------------
+    def resolve(self, paths: tuple[str, ...], globs: tuple[str, ...], regex_of) -> tuple[list[ObjectInfo], list[str]]:
+        """The shards holding the files that ``paths`` and ``globs`` name (raw objects of the layout
+        as themselves), as store objects for the warm engine, and the paths that name nothing.
+        Blocking (store calls for the raw layout)."""
+        shards: set[int] = set()
+        raw: dict[str, ObjectInfo] = {}
+        missing = []
+        for path in paths:
+            if is_raw(path):
+                found = self._raw_objects(path)
+                raw.update((i.path, i) for i in found)
+            else:
+                lo, hi = self._rows(path)
+                found = hi > lo
+                shards.update(self._shards_of(lo, hi))
+            if not found:
+                missing.append(path or "/")
+        for pattern in globs:
+            regex, static = regex_of(pattern)
+            lo, hi = self._rows(static)
+            rows = [lo + i for i, p in enumerate(self.index.files.column("path")[lo:hi].to_pylist())
+                    if regex.match(p)]
+            if not rows:
+                missing.append(pattern)
+            shards.update(int(self.index.files.column("shard")[r].as_py()) for r in rows)
+        infos = [ObjectInfo(self._shards[s].path, self._shards[s].size, 0.0, self._shards[s].etag)
+                 for s in sorted(shards)]
+        return infos + [raw[p] for p in sorted(raw) if p not in {i.path for i in infos}], missing
+
+    def _rows(self, path: str) -> tuple[int, int]:
+        """The rows [lo, hi) of the file ``path`` or of every file below directory ``path``."""
+        row = self.index.find(path) if path else None
+        return (row, row + 1) if row is not None else self.index.rows_below(path)
+
+    def _shards_of(self, lo: int, hi: int) -> set[int]:
+        return set(self.index.files.column("shard")[lo:hi].to_numpy().tolist()) if hi > lo else set()
+
+    def _raw_objects(self, path: str) -> list[ObjectInfo]:
+        key = _store_path(path) if path != PACKED_DIR else ""
+        if key:
+            try:
+                return [self.store.head(key)]
+            except NoSuchKey:
+                pass
+        return list(self.store.list_all(f"{key}/" if key else ""))

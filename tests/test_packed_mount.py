@@ -1,0 +1,189 @@
+"""`cachefs mount` of a packed dataset (`cachefs pack` output) on a moto bucket, through the proxy:
+the original tree from the index, byte-identical reads through shard blocks (few GETs), crc32c
+checks against a corrupted shard, warmup of whole shards, and refusals of bad manifests."""
+
+import errno
+import io
+import json
+import os
+import random
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from mounts import cachefs, is_mounted, put_tree
+
+from benchmarks.latency_proxy import LatencyProxy
+from cachefs.cli import main
+from cachefs.data import PackedDataset
+from cachefs.demo.local_s3 import s3_client
+from cachefs.packfmt import PackExit
+from cachefs.packfmt.index import SHARDS_SCHEMA, parquet_bytes
+from packer.cli import register_pack
+
+pytestmark = pytest.mark.fuse
+
+BLOCK = 256 * 1024
+PACKED = ".cachefs-packed"
+
+
+@pytest.fixture(autouse=True)
+def pack_command(monkeypatch):
+    monkeypatch.setattr("cachefs.cli._add_plugin_commands", lambda sub: register_pack(sub))
+
+
+@pytest.fixture
+def proxied(s3_server, bucket):
+    url = urlparse(s3_server.endpoint_url)
+    with LatencyProxy(url.hostname, url.port, latency=0.0) as proxy:
+        yield proxy, bucket, s3_client(s3_server.endpoint_url)
+
+
+def make_files(n: int = 400, seed: int = 5) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    files = {f"train/c{i % 4}/img_{i:04d}.jpg": rng.randbytes(rng.randint(1, 16_000)) for i in range(n)}
+    files["train/empty.txt"] = b""
+    files["val/big.bin"] = rng.randbytes(3 * BLOCK + 11)
+    files["labels.csv"] = b"path,label\n"
+    return files
+
+
+def packed_bucket(server, bucket, client, files, *args) -> None:
+    put_tree(client, bucket, "src", files)
+    assert main(["pack", "--quiet", f"s3://{bucket}/src", f"s3://{bucket}/packed",
+                 "--endpoint-url", server.endpoint_url, *args]) == 0
+
+
+def mount(proxy, bucket, mount_factory, *extra, **kwargs):
+    return mount_factory(f"s3://{bucket}/packed", "--endpoint-url", proxy.endpoint_url, "--block-size", str(BLOCK),
+                         "--connect-timeout", "1", "--max-attempts", "2", *extra, **kwargs)
+
+
+def tree_of(root) -> dict[str, bytes]:
+    out = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            out[os.path.relpath(full, root)] = open(full, "rb").read()
+    return out
+
+
+def test_the_original_tree_reads_back_byte_identical_with_few_gets(s3_server, proxied, mount_factory):
+    proxy, bucket, client = proxied
+    files = make_files()
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
+    mnt = mount(proxy, bucket, mount_factory).start()
+    gets, lists = mnt.requests("get"), mnt.requests("list")
+
+    assert sorted(os.listdir(mnt.path)) == ["labels.csv", "train", "val"]     # no shards, no manifest
+    assert tree_of(mnt.path) == files
+    epoch_gets = mnt.requests("get") - gets
+    assert epoch_gets <= len(files) / 20, epoch_gets
+    assert mnt.requests("list") == lists                    # the index is the listing
+    for path in ("train/c1/img_0001.jpg", "val/big.bin", "train/empty.txt"):
+        head = client.head_object(Bucket=bucket, Key=f"src/{path}")
+        st = os.stat(mnt / path)
+        assert st.st_size == len(files[path])
+        assert int(st.st_mtime) == int(head["LastModified"].timestamp())
+        assert st.st_mode == 0o100644
+
+    with open(mnt / "val/big.bin", "rb") as f:                # random access inside a record
+        f.seek(BLOCK - 5)
+        assert f.read(100) == files["val/big.bin"][BLOCK - 5:BLOCK + 95]
+
+    # the raw layout is found by name, and the native loader reads it through the mount
+    assert json.loads((mnt / PACKED / "manifest.json").read_bytes())["files"] == len(files)
+    assert "shards" in os.listdir(mnt / PACKED)
+    with PackedDataset(mnt / PACKED) as ds:
+        assert len(ds) == len(files) and ds.get("val/big.bin") == files["val/big.bin"]
+
+    with pytest.raises(OSError) as info:
+        open(mnt / "labels.csv", "wb")
+    assert info.value.errno == errno.EROFS
+    with pytest.raises(OSError) as info:
+        (mnt / "train/new.txt").write_bytes(b"x")
+    assert info.value.errno == errno.EROFS
+    mnt.umount()
+
+
+def corrupt_record(client, bucket, path: str) -> None:
+    """Flip a byte in the data of ``path``'s record and publish the shard's new ETag in the shards
+    table (as a bad disk or a bad copy would, below an index that still trusts it)."""
+    manifest = json.loads(client.get_object(Bucket=bucket, Key="packed/manifest.json")["Body"].read())
+    files = pq.read_table(io.BytesIO(client.get_object(Bucket=bucket, Key=f"packed/{manifest['index_files']}")
+                                     ["Body"].read())).to_pylist()
+    row = next(r for r in files if r["path"] == path)
+    key = f"packed/shards/{row['shard']:05d}.tfrecord"
+    shard = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    shard[row["data_offset"] + row["data_length"] // 2] ^= 0x40
+    etag = client.put_object(Bucket=bucket, Key=key, Body=bytes(shard))["ETag"].strip('"')
+    table_key = f"packed/{manifest['index_shards']}"
+    shards = pq.read_table(io.BytesIO(client.get_object(Bucket=bucket, Key=table_key)["Body"].read())).to_pylist()
+    shards[row["shard"]]["etag"] = etag
+    client.put_object(Bucket=bucket, Key=table_key, Body=parquet_bytes(pa.Table.from_pylist(shards, SHARDS_SCHEMA)))
+
+
+@pytest.mark.allow_warnings
+def test_a_corrupted_record_is_eio_never_wrong_bytes(s3_server, proxied, mount_factory):
+    proxy, bucket, client = proxied
+    files = make_files(n=60)
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
+    bad = "train/c2/img_0010.jpg"
+    corrupt_record(client, bucket, bad)
+    mnt = mount(proxy, bucket, mount_factory).start()
+    with pytest.raises(OSError) as info:
+        (mnt / bad).read_bytes()
+    assert info.value.errno == errno.EIO
+    assert mnt.status()["packed_crc_errors"] >= 1
+    for path, data in files.items():                        # every other record of the shard is right
+        if path != bad:
+            assert (mnt / path).read_bytes() == data, path
+    gets = mnt.requests("get")
+    with pytest.raises(OSError):
+        (mnt / bad).read_bytes()                            # still refused: refetched, still wrong
+    assert mnt.requests("get") > gets                       # the bad block was evicted and fetched again
+    mnt.umount()
+
+
+def test_warmup_fetches_whole_shards_then_reads_come_from_the_cache(s3_server, proxied, mount_factory):
+    proxy, bucket, client = proxied
+    files = make_files()
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
+    mnt = mount(proxy, bucket, mount_factory).start()
+    manifest = json.loads((mnt / PACKED / "manifest.json").read_bytes())
+    shards = pq.read_table(mnt / PACKED / manifest["index_shards"]).column("bytes").to_pylist()
+    gets = mnt.requests("get")
+    result = cachefs("warmup", "--json", str(mnt / "train/c1"))
+    assert result.returncode == 0, result.stderr
+    done = [json.loads(line) for line in result.stdout.splitlines()][-1]
+    assert done["failed_files"] == 0 and done["fetched_files"] == done["files"] >= 1    # shards
+    assert done["bytes"] == done["done_bytes"] > sum(len(v) for k, v in files.items() if k.startswith("train/c1/"))
+    result = cachefs("warmup", "--json", str(mnt.path))
+    assert result.returncode == 0, result.stderr
+    done = [json.loads(line) for line in result.stdout.splitlines()][-1]
+    assert done["files"] == manifest["shards"] and done["bytes"] == manifest["shard_bytes"]
+    assert mnt.requests("get") - gets == sum(-(-size // BLOCK) for size in shards)   # each block once
+    proxy.refuse(True)
+    assert tree_of(mnt.path) == files
+    proxy.refuse(False)
+    mnt.umount()
+
+
+@pytest.mark.parametrize("damage, code", [("version", PackExit.UNKNOWN_VERSION), ("index", PackExit.CORRUPT)])
+def test_a_bad_manifest_or_index_refuses_the_mount(s3_server, bucket, mount_factory, damage, code):
+    client = s3_client(s3_server.endpoint_url)
+    packed_bucket(s3_server, bucket, client, make_files(n=8))
+    manifest = json.loads(client.get_object(Bucket=bucket, Key="packed/manifest.json")["Body"].read())
+    if damage == "version":
+        client.put_object(Bucket=bucket, Key="packed/manifest.json",
+                          Body=json.dumps(manifest | {"version": 99}).encode())
+    else:
+        client.put_object(Bucket=bucket, Key=f"packed/{manifest['index_files']}", Body=b"PAR1 truncated")
+    mnt = mount_factory(f"s3://{bucket}/packed", "--endpoint-url", s3_server.endpoint_url)
+    result = mnt.try_start()
+    assert result.returncode == code, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error:") and "Traceback" not in result.stderr
+    assert ("version 99" in lines[0]) if damage == "version" else ("Parquet" in lines[0])
+    assert not is_mounted(mnt.path)
