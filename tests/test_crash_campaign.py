@@ -47,9 +47,6 @@ def test_cache_dir_turning_read_only_keeps_reads_going(s3_server, bucket, tmp_pa
 
 
 @pytest.mark.allow_warnings
-@pytest.mark.xfail(strict=True, reason="bug 1 in docs/reliability.md: a daemon restarted after SIGKILL serves the "
-                   "killed daemon's listing snapshot (within --metadata-ttl), which misses what that daemon did "
-                   "in the bucket directly (a rename of an uploaded file = copy + delete)")
 def test_restart_after_sigkill_shows_what_the_killed_daemon_renamed(s3_server, bucket, mount_factory):
     client = s3_client(s3_server.endpoint_url)
     mnt = mount_factory(f"s3://{bucket}/p", "--endpoint-url", s3_server.endpoint_url,
@@ -69,17 +66,23 @@ def test_restart_after_sigkill_shows_what_the_killed_daemon_renamed(s3_server, b
     assert os.listdir(mnt.path) == ["a.bin"]          # the bucket has it; the mount must show it
 
 
-@pytest.mark.xfail(strict=True, reason="bug 1 in docs/reliability.md: the listing snapshot (cachefs/namespace/vfs.py "
-                   "dir_state) is not told about the mount's own uploads, so a remount within --metadata-ttl hides them")
 def test_clean_remount_shows_what_the_mount_wrote(s3_server, bucket, mount_factory):
-    mnt = mount_factory(f"s3://{bucket}/p", "--endpoint-url", s3_server.endpoint_url).start()
-    assert os.listdir(mnt.path) == []                  # listed (and saved in the snapshot) empty
-    (mnt / "new.log").write_bytes(b"hello")
-    mnt.umount()                                       # drains: new.log is uploaded
     client = s3_client(s3_server.endpoint_url)
-    assert [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]] == ["p/new.log"]
+    client.put_object(Bucket=bucket, Key="p/old.bin", Body=b"old")
+    mnt = mount_factory(f"s3://{bucket}/p", "--endpoint-url", s3_server.endpoint_url).start()
+    assert os.listdir(mnt.path) == ["old.bin"]         # listed (and saved in the snapshot)
+    (mnt / "new.log").write_bytes(b"hello")
+    (mnt / "sub").mkdir()
+    os.rename(mnt / "old.bin", mnt / "moved.bin")      # a server-side copy, then a tombstone
+    mnt.umount()                                       # drains: all of it is in the bucket
+    keys = lambda: sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", []))  # noqa: E731
+    assert keys() == ["p/moved.bin", "p/new.log", "p/sub/"]
     mnt.start()
-    assert os.listdir(mnt.path) == ["new.log"]
+    assert sorted(os.listdir(mnt.path)) == ["moved.bin", "new.log", "sub"]
+    assert (mnt / "new.log").read_bytes() == b"hello"
+    os.unlink(mnt / "new.log")                         # seen as an object: its delete is journaled
+    assert cachefs("sync", str(mnt.path), "--wait", "--timeout", "60").returncode == 0
+    assert keys() == ["p/moved.bin", "p/sub/"]
 
 
 # ---- the checker itself (no mount): it must catch what it is there to catch ---------------------

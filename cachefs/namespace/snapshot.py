@@ -5,9 +5,11 @@ records when it was listed; its entries are the children the store returned.
 Touched only from the trio thread (a listing is rare next to reads).
 """
 
+import contextlib
 import hashlib
 import logging
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 from cachefs.store import Listing, ObjectInfo
@@ -89,6 +91,78 @@ class ListingSnapshot:
         except sqlite3.DatabaseError as exc:
             log.info("listing snapshot update failed for %r: %s", info.path, exc)
 
+    # ---- the mount's own changes (bug 1 in docs/reliability.md) --------------------------------
+    # A saved listing must show what this mount itself did in the bucket, or a remount within
+    # the TTL hides it. Rows change only in directories already saved (no listing, no rows).
+    def file_changed(self, path: str, info: ObjectInfo | None) -> None:
+        """The mount made the object ``path`` (``info``: uploaded or copied) or deleted it (None,
+        once the tombstone is journaled)."""
+        dir_path, name = _parent(path)
+        if info is None:
+            self._change("DELETE FROM entries WHERE dir = ? AND name = ?", (dir_path, name))
+        else:
+            self._change("INSERT OR REPLACE INTO entries SELECT ?, ?, 0, ?, ?, ? WHERE EXISTS "
+                         "(SELECT 1 FROM dirs WHERE path = ?)",
+                         (dir_path, name, info.size, info.mtime, info.etag, dir_path))
+
+    def dir_changed(self, path: str, present: bool) -> None:
+        """The mount made (journaled) the directory ``path`` or removed it (with its listing)."""
+        dir_path, name = _parent(path)
+        if present:
+            self._change("INSERT OR REPLACE INTO entries SELECT ?, ?, 1, 0, 0.0, '' WHERE EXISTS "
+                         "(SELECT 1 FROM dirs WHERE path = ?)", (dir_path, name, dir_path))
+            return
+        self._change("DELETE FROM entries WHERE dir = ? AND name = ?", (dir_path, name))
+        self._change("DELETE FROM entries WHERE dir = ?", (path + "/",))
+        self._change("DELETE FROM dirs WHERE path = ?", (path + "/",))
+
+    @contextlib.contextmanager
+    def stale_while(self, path: str) -> Iterator[None]:
+        """The saved listing of directory ``path`` reads as stale (listed at 0) inside the block:
+        a change no journal record covers (a rename's server-side copy) cannot be hidden by a
+        SIGKILL before the block tells the snapshot about it."""
+        dir_path = path + "/" if path else ""
+        row = self._query("SELECT listed_at FROM dirs WHERE path = ?", (dir_path,))
+        if row is not None:
+            self._change("UPDATE dirs SET listed_at = 0 WHERE path = ?", (dir_path,))
+        try:
+            yield
+        finally:
+            if row is not None:
+                self._change("UPDATE dirs SET listed_at = ? WHERE path = ?", (row[0], dir_path))
+
+    def _change(self, sql: str, args: tuple) -> None:
+        try:
+            self._db.execute(sql, args)
+        except sqlite3.DatabaseError as exc:
+            log.info("listing snapshot update failed (%s): %s", args[:2], exc)
+
+    def _query(self, sql: str, args: tuple):
+        try:
+            return self._db.execute(sql, args).fetchone()
+        except sqlite3.DatabaseError as exc:
+            log.info("listing snapshot read failed (%s): %s", args[:1], exc)
+            return None
+
     def close(self) -> None:
         self._db.close()
 
+
+def _parent(path: str) -> tuple[str, str]:
+    """(the saved directory key, "" or ending in "/"; the name) of ``path``."""
+    dir_path, _, name = path.rpartition("/")
+    return (dir_path + "/" if dir_path else ""), name
+
+
+class NoSnapshot:
+    """No saved listings (a Vfs built without a snapshot): the mount's changes go nowhere."""
+
+    def file_changed(self, path: str, info: ObjectInfo | None) -> None:
+        pass
+
+    def dir_changed(self, path: str, present: bool) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def stale_while(self, path: str) -> Iterator[None]:
+        yield

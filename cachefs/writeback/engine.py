@@ -77,6 +77,7 @@ class Writeback:
         self.staging_wait = staging_wait
         self.staged_bytes = 0
         self.on_retired: Callable[[StagedFile, ObjectInfo], None] = lambda entry, info: None
+        self.replayed_dirs: set[str] = set()     # parents of records replayed at start (vfs relists them)
         self._files: dict[str, StagedFile] = {}
         self._ops: dict[tuple[bool, str], PendingOp] = {}
         self._uploader = Uploader(store, part_size=part_size, upload_concurrency=upload_concurrency,
@@ -119,6 +120,7 @@ class Writeback:
     def _restore(self, records: list[Record]) -> None:
         now = time.time()
         for record in records:
+            self.replayed_dirs.add(record.path.rpartition("/")[0])
             if record.kind == FILE:
                 fd = os.open(self.journal.data_path(record.id), os.O_RDWR | os.O_CLOEXEC)
                 entry = StagedFile(record, fd, os.fstat(fd).st_size, now, remote=True)
