@@ -39,9 +39,6 @@ def test_sigkill_with_a_nearly_full_staging_area(s3_server, bucket, tmp_path):
 
 
 @pytest.mark.allow_warnings
-@pytest.mark.xfail(strict=True, reason="bug 2 in docs/reliability.md: journal.remove_record's EROFS escapes "
-                   "the write-back engine (cachefs/writeback/engine.py _forget) and the daemon exits: reads fail "
-                   "with ENOTCONN once the cache dir turns read-only")
 def test_cache_dir_turning_read_only_keeps_reads_going(s3_server, bucket, tmp_path):
     campaign(s3_server, bucket, tmp_path, "readonly", 2)
 

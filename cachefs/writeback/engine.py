@@ -38,6 +38,7 @@ from cachefs.metrics import Metrics, WritebackMetrics
 from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.writeback import status as _status
+from cachefs.writeback.fence import JournalGuard
 from cachefs.writeback.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record
 from cachefs.writeback.overlay import DirOverlay, overlay
 from cachefs.writeback.policy import CHECKPOINT, CLASSES, LOG, MAX_PARTS, SyncPolicy, part_size_for
@@ -89,6 +90,7 @@ class Writeback:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._m = WritebackMetrics(metrics)
+        self._guard = JournalGuard(journal, self._io, metrics)    # journal I/O; fences a failing cache dir
 
     @property
     def part_size(self) -> int:
@@ -239,13 +241,7 @@ class Writeback:
         entry.deleted = True
         self.on_retired(entry, info)
         fd, entry.fd = entry.fd, -1
-        await trio.to_thread.run_sync(self._forget, entry.id, fd, limiter=self._io)
-
-    def _forget(self, ident: int, fd: int) -> None:
-        self.journal.remove_record(ident)
-        self.journal.remove_data(ident)
-        if fd >= 0:
-            os.close(fd)
+        await self._guard.forget(entry.id, fd)
 
     # ---- pending operations (tombstones, directory markers) -------------------------------------
     async def _run_op(self, op: PendingOp) -> None:
@@ -262,7 +258,7 @@ class Writeback:
         else:
             if self._ops.get(record.slot) is op:
                 del self._ops[record.slot]
-            await trio.to_thread.run_sync(self.journal.remove_record, record.id, limiter=self._io)
+            await self._guard.remove_record(record.id)
         finally:
             op.running = False
             self._busy.discard(op.key)
@@ -271,14 +267,20 @@ class Writeback:
     async def _add_op(self, kind: str, path: str) -> None:
         """Journal a tombstone (DELETE) or a directory marker change (MKDIR, RMDIR) for ``path``;
         it replaces a pending opposite operation of the same slot."""
+        self._guard.check()
         seq = self.journal.next_seq()
         record = Record(seq, seq, kind, path, time.time())
         self._cancel_op(record.slot)
         op = self._ops[record.slot] = PendingOp(record)
-        await trio.to_thread.run_sync(self.journal.write_record, record, limiter=self._io)
+        try:
+            await self._guard.write_record(record)
+        except OSError:
+            if self._ops.get(record.slot) is op:
+                del self._ops[record.slot]
+            raise
         op.ready = True
         if op.cancelled:
-            await trio.to_thread.run_sync(self.journal.remove_record, record.id, limiter=self._io)
+            await self._guard.remove_record(record.id)
         self.wake()
 
     async def delete(self, path: str) -> None:
@@ -305,13 +307,11 @@ class Writeback:
         del self._ops[slot]
         op.cancelled = True
         if op.ready:
-            self._nursery.start_soon(self._remove_record, op.record.id)
-
-    async def _remove_record(self, ident: int) -> None:
-        await trio.to_thread.run_sync(self.journal.remove_record, ident, limiter=self._io)
+            self._nursery.start_soon(self._guard.remove_record, op.record.id)
 
     # ---- staged files (called by the namespace) --------------------------------------------------
     def _new_entry(self, path: str, *, remote: bool) -> StagedFile:
+        self._guard.check()
         seq = self.journal.next_seq()
         fd = self.journal.create_data(seq)
         return StagedFile(Record(seq, seq, FILE, path, time.time()), fd, 0, time.time(), remote=remote)
@@ -325,7 +325,11 @@ class Writeback:
         if old is not None:
             entry.remote = entry.remote or old.remote
             await self._discard(old)
-        await trio.to_thread.run_sync(self.journal.write_record, entry.record, limiter=self._io)
+        try:
+            await self._guard.write_record(entry.record)
+        except OSError:
+            await self._discard(entry)      # never acknowledged: its staging file goes (if it can)
+            raise
         entry.ready = True
         self.wake()
 
@@ -366,6 +370,7 @@ class Writeback:
         return os.pread(entry.fd, end - offset, offset) if end > offset else b""
 
     async def write(self, entry: StagedFile, offset: int, data: bytes) -> int:
+        self._guard.check()
         await self.reserve(entry, offset + len(data))
         try:
             written = os.pwrite(entry.fd, data, offset)
@@ -379,6 +384,7 @@ class Writeback:
         return written
 
     async def truncate(self, entry: StagedFile, size: int) -> None:
+        self._guard.check()
         await self.reserve(entry, size)
         os.ftruncate(entry.fd, size)
         self._resize(entry, size)
@@ -457,6 +463,7 @@ class Writeback:
 
     async def unlink(self, entry: StagedFile) -> None:
         """The staged file's name is gone: journal a tombstone if an object may exist, drop the rest."""
+        self._guard.check()
         if entry.remote or entry.uploading is not None:
             await self.delete(entry.path)
         await self._discard(entry)
@@ -473,11 +480,12 @@ class Writeback:
         fd = -1
         if entry.opens <= 0:
             fd, entry.fd = entry.fd, -1
-        await trio.to_thread.run_sync(self._forget, entry.id, fd, limiter=self._io)
+        await self._guard.forget(entry.id, fd)
         self._notify()
 
     async def move(self, entry: StagedFile, new_path: str, *, replaces_object: bool) -> None:
         """Rename a staged file; ``replaces_object``: an object exists at ``new_path``."""
+        self._guard.check()
         old_path, had_object = entry.path, entry.remote or entry.uploading is not None
         other = self._files.get(new_path)
         if other is not None and other is not entry:
@@ -491,7 +499,7 @@ class Writeback:
         entry.remote = replaces_object
         entry.synced = 0
         entry.touch(0, time.time())
-        await trio.to_thread.run_sync(self.journal.write_record, entry.record, limiter=self._io)
+        await self._guard.write_record(entry.record)
         if had_object:
             await self.delete(old_path)
         self.wake()
@@ -532,7 +540,7 @@ class Writeback:
         return {"classes": _status.by_class(self._files.values(), self.policy), "staged_files": len(self._files),
                 "staged_bytes": self.staged_bytes, "staging_size": self.staging_size,
                 "pending_operations": pending["operations"], "failing": pending["failing"],
-                "errors": pending["errors"]}
+                "errors": pending["errors"], "fenced": self._guard.reason or None}
 
     def _update_gauges(self, now: float) -> None:
         status = self.status()

@@ -1,0 +1,75 @@
+"""The journal's I/O as the write-back engine calls it, with a failing cache dir handled in one
+place (bug 2 in docs/reliability.md): a record write or removal that fails (the filesystem
+turned read-only, an I/O error) is counted and logged, and *fences* the staging area: new
+writes get EROFS from then on, while reads and uploads of what is staged go on. A record
+whose removal failed stays on disk; the next start replays it (an upload or delete again:
+idempotent). Nothing here raises into the engine's nursery but ``write_record``'s EROFS, which
+reaches the FUSE call that asked for the write.
+"""
+
+import errno
+import logging
+import os
+
+import trio
+from prometheus_client import Counter
+
+from cachefs.metrics import Metrics
+from cachefs.writeback.journal import Journal, Record
+
+log = logging.getLogger(__name__)
+
+
+class JournalGuard:
+    def __init__(self, journal: Journal, limiter: trio.CapacityLimiter, metrics: Metrics) -> None:
+        self.journal = journal
+        self.reason = ""        # why the staging area takes no more writes ("": it does)
+        self._limiter = limiter
+        self._errors = Counter("cachefs_journal_errors", "Journal writes or removals that failed (the record "
+                               "stays for the next start; the staging area is fenced)", registry=metrics.registry)
+
+    def check(self) -> None:
+        """Raise EROFS once the staging area is fenced."""
+        if self.reason:
+            raise OSError(errno.EROFS, f"staging area fenced off ({self.reason})")
+
+    async def write_record(self, record: Record) -> None:
+        """Journal ``record``; on failure fence the staging area and raise EROFS."""
+        self.check()
+        try:
+            await trio.to_thread.run_sync(self.journal.write_record, record, limiter=self._limiter)
+        except OSError as exc:
+            self.failed(f"writing the record of {record.path}", exc)
+            self.check()
+
+    async def remove_record(self, ident: int) -> None:
+        try:
+            await trio.to_thread.run_sync(self.journal.remove_record, ident, limiter=self._limiter)
+        except OSError as exc:
+            self.failed(f"removing record {ident:016x}", exc)
+
+    async def forget(self, ident: int, fd: int) -> None:
+        """Remove a record, then its staging file, and close ``fd`` (unless -1); a failed
+        removal leaves both (the record first: a record never outlives its data)."""
+        def remove() -> OSError | None:
+            try:
+                self.journal.remove_record(ident)
+                self.journal.remove_data(ident)
+            except OSError as exc:
+                return exc
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            return None
+        exc = await trio.to_thread.run_sync(remove, limiter=self._limiter)
+        if exc is not None:
+            self.failed(f"removing record {ident:016x}", exc)
+
+    def failed(self, what: str, exc: OSError) -> None:
+        self._errors.inc()
+        if self.reason:
+            log.info("journal: %s failed too: %s", what, exc)
+            return
+        self.reason = f"{what} failed: {exc.strerror or exc}"
+        log.error("journal: %s; the staging area %s is fenced off: writes fail with EROFS, reads go on, "
+                  "what is staged stays in the journal for the next mount", self.reason, self.journal.root)

@@ -1,0 +1,63 @@
+"""A cache dir that fails under the journal (bug 2 in docs/reliability.md), kernel-free: a record
+removal that fails (EROFS) leaves the record for the next start, is counted, and fences the staging
+area (writes get EROFS); the engine keeps running, reads and uploads go on."""
+
+import errno
+import os
+
+import pytest
+import trio
+from kernel_free import Driver, make_stack, running
+from test_block_cache import MemoryBucket
+from test_write_path import counted, oserror, stored
+
+from cachefs.metrics import Metrics
+from cachefs.writeback.journal import Journal
+
+pytestmark = pytest.mark.allow_warnings      # the fence is logged as an error, once
+
+
+@pytest.fixture
+def bucket():
+    bucket = MemoryBucket()
+    bucket.put("old.txt", b"old content")
+    yield bucket
+    bucket.remove()
+
+
+def read_only(journal: Journal) -> None:
+    """The journal's filesystem turned read-only: every change to it fails with EROFS."""
+    def refuse(*args):
+        raise OSError(errno.EROFS, "Read-only file system")
+    journal.remove_record = journal.remove_data = journal.write_record = refuse
+
+
+def test_failed_record_removal_fences_the_staging_area_and_keeps_the_record(bucket, tmp_path):
+    store = counted(bucket)
+    metrics = Metrics()
+    vfs, wb = make_stack(store, str(tmp_path), metrics=metrics)
+
+    async def main():
+        async with running(vfs, wb):
+            fs = Driver(vfs)
+            assert await fs.call("write_at", "a.log", os.O_CREAT, 0, b"staged then uploaded") == 20
+            await fs.call("unlink", "old.txt")                       # a tombstone, run below
+            read_only(wb.journal)
+            wb.request_sync()
+            assert await wb.wait_synced(None, 5)                      # uploads and deletes go on
+            assert stored(store, "a.log") == b"staged then uploaded"
+            assert not bucket.fs.exists(f"{bucket.url}/old.txt")
+            assert await fs.call("read_all", "a.log") == b"staged then uploaded"   # reads go on
+            assert wb.status()["fenced"] and "Read-only" in wb.status()["fenced"]
+            for call in (fs.call("write_at", "b.log", os.O_CREAT, 0, b"x"),
+                         fs.call("write_at", "a.log", 0, 0, b"y"), fs.call("mkdir", "d"),
+                         fs.call("unlink", "a.log")):
+                assert await oserror(call) == errno.EROFS
+            assert await fs.call("read_all", "a.log") == b"staged then uploaded"
+            await trio.sleep(0.3)                                     # the scheduler is still alive
+            assert await fs.call("listdir", "") == ["a.log"]
+    trio.run(main)
+    assert metrics.counter_value("cachefs_journal_errors_total") >= 2
+    # the records stay: the next start uploads a.log again and deletes old.txt again (idempotent)
+    assert sorted((r.kind, r.path) for r in Journal(str(tmp_path)).replay()) == [
+        ("delete", "old.txt"), ("file", "a.log")]
