@@ -90,7 +90,7 @@ def test_new_file_is_readable_at_once_then_uploaded_and_retired(bucket, tmp_path
         assert wb.space() == (1 << 30, 0)
         assert await fs.call("read_all", "d/new.txt") == b"hello world"
         assert store.calls["get"] >= 1
-        assert not os.listdir(os.path.join(str(tmp_path), "data"))
+        await until(lambda: not os.listdir(os.path.join(str(tmp_path), "data")))   # removed by a worker thread
 
     run(stack, body)
     assert count(metrics, "uploads", sync_class=LOG, result="ok") == 1
