@@ -289,6 +289,8 @@ class Vfs:
 
     async def preload(self, handle: Handle) -> bytes | None:
         """Content to push into the kernel page cache at open (see Tiers.preload)."""
+        if handle.node.packed is not None and handle.file is None:
+            return await self.packed.preload(handle.node.packed, handle.stream)
         if handle.file is None or handle.node.staged is not None:
             return None
         return await self.blocks.preload(handle.file)
