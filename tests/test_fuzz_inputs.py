@@ -195,9 +195,6 @@ def test_list_parser_on_arbitrary_bytes(body):
         pass
 
 
-@pytest.mark.xfail(strict=True, reason="bug 5 in docs/reliability.md: parse_list_page (cachefs/store/s3/requests.py) "
-                   "turns <CommonPrefixes/> without <Prefix> into a directory named 'None' (AttributeError with "
-                   "EncodingType url) and accepts a negative <Size>")
 @FUZZ
 @given(list_answers())
 def test_list_parser_on_odd_answers(body):

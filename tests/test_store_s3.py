@@ -12,7 +12,8 @@ from botocore.exceptions import ClientError, EndpointConnectionError, NoCredenti
 from cachefs.demo.local_s3 import free_port, s3_client
 from cachefs.errors import AccessDenied, BadResponse, NoSuchBucket, NoSuchKey, StoreError, Unreachable, VersionChanged
 from cachefs.metrics import Metrics
-from cachefs.store.s3.store import S3Options, S3Store, ShortBody, is_temp_failure, map_error
+from cachefs.store.s3.answer import ShortBody
+from cachefs.store.s3.store import S3Options, S3Store, is_temp_failure, map_error
 
 BLOCK = 64 * 1024
 
@@ -231,10 +232,10 @@ def test_unreachable_endpoint_fails_fast_naming_the_object(metrics):
     started = time.monotonic()
     with pytest.raises(Unreachable, match="get s3://bkt/root/some/key") as info:
         store.get("some/key", 0, 10, "etag", 100)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 5           # refusals are retried for min(5 s, read timeout) only
     assert "testing" not in str(info.value)         # no credentials in messages
-    assert metrics.counter_value("cachefs_store_retries_total", op="get") == 1
-    assert requests(metrics, "get", "error") == 2
+    retries = metrics.counter_value("cachefs_store_retries_total", op="get")
+    assert retries >= 1 and requests(metrics, "get", "error") == retries + 1
     store.close()
 
 
@@ -352,7 +353,8 @@ def test_an_etag_with_control_characters_never_reaches_the_wire(fake_store, etag
     (answer(b"abc", content_range="bytes 2-4/10", etag="e2"), VersionChanged),   # If-Match ignored
 ])
 def test_get_detects_wrong_answers(fake_store, response, error):
-    fake_store._client.get_object = FakeGet(response)
+    body = response["Body"].read()           # a wrong range is retried, then refused
+    fake_store._client.get_object = FakeGet(*({**response, "Body": io.BytesIO(body)} for _ in range(5)))
     with pytest.raises(error, match="get s3://bkt/k"):
         fake_store.get("k", 2, 5, "e1", 10)
 

@@ -62,6 +62,13 @@ class ObjectStore(ABC):
         length, NoSuchKey, AccessDenied, Unreachable (after retries).
         """
 
+    @property
+    def cancellable_gets(self) -> bool:
+        """Whether cancelling ``get_async`` stops the GET itself (its connection closed), so a
+        second GET can race it (hedging); a GET in a worker thread runs on after a cancel. Here:
+        False for the threaded ``get_async`` below, True for a store that overrides it (a trio task)."""
+        return type(self).get_async is not ObjectStore.get_async
+
     async def get_async(self, path: str, start: int, end: int, etag: str, size: int, *,
                         limiter: trio.CapacityLimiter) -> bytes:
         """``get`` from the trio thread, at most ``limiter``'s number at once. Here: ``get`` in a

@@ -58,11 +58,9 @@ def size_class(length: int) -> str:
 
 
 def cancellable_gets(store: ObjectStore) -> bool:
-    """Whether ``store.get_async`` is a trio task a cancel scope stops at once (not a thread)."""
-    if type(store).get_async is ObjectStore.get_async:
-        return False
-    # S3Store falls back to the thread path when its trio client is unusable (see s3/store.py)
-    return getattr(store, "_async_getter", True) is not None
+    """Whether ``store.get_async`` is a trio task a cancel scope stops at once (not a thread);
+    S3Store says no when it falls back to the thread path (see s3/store.py)."""
+    return store.cancellable_gets
 
 
 class LatencyEstimator:

@@ -12,8 +12,9 @@ Servers differ (DESIGN section 3). A ranged GET is accepted when its answer is:
   (``range_200_etag``).
 
 Anything else is refused: an ETag other than the pinned one is VersionChanged; a body of another
-length is ``ShortBody`` (retried, then BadResponse: EIO); a 200 of the asked length that proves
-nothing is BadResponse. The store counts each accepted 200 in
+length, or a Content-Range naming other bytes (a confused proxy or cache in front of the store), is
+``BadAnswer`` (retried, then BadResponse: EIO): never wrong bytes; a 200 of the asked length that
+proves nothing is BadResponse. The store counts each accepted 200 in
 ``cachefs_store_range_fallbacks_total{kind}`` and warns once per kind.
 """
 
@@ -40,7 +41,13 @@ BEHAVIOUR = {
 }
 
 
-class ShortBody(Exception):
+class BadAnswer(Exception):
+    """An answer that is unusable, where the next one may be fine (a Content-Range naming other
+    bytes, an unreadable listing page: a confused proxy or cache in front of the store): retried,
+    then BadResponse."""
+
+
+class ShortBody(BadAnswer):
     """The body length differs from what was asked: retried, then BadResponse."""
 
 
@@ -86,7 +93,7 @@ def window(want: Want, status: int, content_length: int | None) -> tuple[int, in
 
 def verify(want: Want, response: dict, body: bytes) -> tuple[bytes, str | None]:
     """(the bytes [start, end), the fallback kind or None) of a GET answer; VersionChanged,
-    BadResponse or ShortBody when it does not provably hold them."""
+    BadResponse or BadAnswer when it does not provably hold them."""
     got = etag_of(response.get("ETag"))
     if got and want.etag and got != want.etag:
         raise VersionChanged(f"get {want.url}: object changed (ETag {got}, pinned {want.etag})")
@@ -126,8 +133,7 @@ def _ranged_body(want: Want, status: int, response: dict, body: bytes) -> tuple[
 def _check_content_range(want: Want, content_range: str | None) -> None:
     match = _CONTENT_RANGE_RE.match(content_range or "")
     if not match or (int(match[1]), int(match[2])) != (want.start, want.end - 1):
-        raise BadResponse(f"get {want.url}: asked bytes {want.start}-{want.end - 1}, "
-                          f"got Content-Range {content_range!r}")
+        raise BadAnswer(f"asked bytes {want.start}-{want.end - 1}, got Content-Range {content_range!r}")
     if match[3] != "*" and int(match[3]) != want.size:
         raise VersionChanged(f"get {want.url}: object size is now {match[3]}, pinned {want.size}")
 

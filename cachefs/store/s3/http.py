@@ -253,6 +253,7 @@ class AsyncGetter:
         response = {"ETag": fields.get("etag"), "ContentRange": fields.get("content-range"),
                     "ContentLength": _length(fields), "Cut": cut, "ResponseMetadata": {"HTTPStatusCode": status}}
         if status >= 300:
+            response["RetryAfter"] = fields.get("retry-after")
             raise bx.ClientError({"Error": error_of(status, body), **response}, "GetObject")
         return response, body
 

@@ -30,7 +30,7 @@ from urllib.parse import unquote_plus, urlsplit
 import urllib3
 from botocore import exceptions as bx
 
-from cachefs.store.s3.answer import Window, content_length, error_of
+from cachefs.store.s3.answer import BadAnswer, Window, content_length, error_of
 from cachefs.store.s3.sigv4 import EMPTY_SHA256, Signer, object_path, query_string
 
 _READ = 1 << 20
@@ -76,6 +76,7 @@ class Requests:
             answer.release_conn()
         response["Cut"] = bool(cut)
         if answer.status >= 300:
+            response["RetryAfter"] = answer.headers.get("Retry-After")
             raise bx.ClientError({"Error": error_of(answer.status, body), **response}, "GetObject")
         return response, body
 
@@ -86,11 +87,12 @@ class Requests:
         answer = self._send("GET", f"/{bucket}", {}, query=query)
         meta = {"ResponseMetadata": {"HTTPStatusCode": answer.status}}
         if answer.status >= 300:
+            meta["RetryAfter"] = answer.headers.get("Retry-After")
             raise bx.ClientError({"Error": error_of(answer.status, answer.data), **meta}, "ListObjectsV2")
         try:
             return {**parse_list_page(answer.data), **meta}
         except (ET.ParseError, ValueError, KeyError) as exc:
-            raise ConnectionError(f"list {bucket}: unreadable ListObjectsV2 answer: {exc}") from None
+            raise BadAnswer(f"unreadable ListObjectsV2 answer: {exc}") from None
 
     def put(self, bucket: str, key: str, body: bytes, query: dict[str, str] | None = None,
             operation: str = "PutObject") -> dict:
@@ -99,6 +101,7 @@ class Requests:
                             body=body)
         response = {"ETag": answer.headers.get("ETag"), "ResponseMetadata": {"HTTPStatusCode": answer.status}}
         if answer.status >= 300:
+            response["RetryAfter"] = answer.headers.get("Retry-After")
             raise bx.ClientError({"Error": error_of(answer.status, answer.data), **response}, operation)
         return response
 
@@ -138,7 +141,9 @@ def _read_window(answer: urllib3.BaseHTTPResponse, skip: int, take: int) -> byte
 def parse_list_page(body: bytes) -> dict:
     """A ListObjectsV2 result as boto3 shapes it: Contents (Key, Size, LastModified as an aware
     datetime, ETag), CommonPrefixes (Prefix), IsTruncated, NextContinuationToken. Keys and
-    prefixes are URL-decoded when the answer says ``EncodingType`` url, as botocore does."""
+    prefixes are URL-decoded when the answer says ``EncodingType`` url, as botocore does.
+    ValueError (or ET.ParseError) for an answer that is not a sane page: an object without Key or
+    with a Size that is not a non-negative integer, a CommonPrefixes without Prefix."""
     root = ET.fromstring(body)
     ns = root.tag[:root.tag.index("}") + 1] if root.tag.startswith("{") else ""
     decode = (root.findtext(f"{ns}EncodingType") or "").lower() == "url"
@@ -149,10 +154,15 @@ def parse_list_page(body: bytes) -> dict:
         if key is None:
             raise ValueError("object without Key")
         contents.append({"Key": name(key),
-                         "Size": int(item.findtext(f"{ns}Size") or 0),
+                         "Size": _size(key, item.findtext(f"{ns}Size")),
                          "LastModified": _timestamp(item.findtext(f"{ns}LastModified")),
                          "ETag": item.findtext(f"{ns}ETag") or ""})
-    prefixes = [{"Prefix": name(p.findtext(f"{ns}Prefix"))} for p in root.iterfind(f"{ns}CommonPrefixes")]
+    prefixes = []
+    for item in root.iterfind(f"{ns}CommonPrefixes"):
+        prefix = item.findtext(f"{ns}Prefix")
+        if prefix is None:
+            raise ValueError("CommonPrefixes without Prefix")
+        prefixes.append({"Prefix": name(prefix)})
     page: dict[str, Any] = {"IsTruncated": (root.findtext(f"{ns}IsTruncated") or "").lower() == "true"}
     if contents:
         page["Contents"] = contents
@@ -162,6 +172,16 @@ def parse_list_page(body: bytes) -> dict:
     if token:
         page["NextContinuationToken"] = token
     return page
+
+
+def _size(key: str, text: str | None) -> int:
+    try:
+        size = int(text or 0)
+    except ValueError:
+        raise ValueError(f"object {key[:100]!r}: Size {text[:40]!r} is not a number") from None
+    if size < 0:
+        raise ValueError(f"object {key[:100]!r}: negative Size {size}")
+    return size
 
 
 def _timestamp(text: str | None) -> datetime.datetime:

@@ -41,8 +41,8 @@ from cachefs.errors import (
 )
 from cachefs.metrics import Metrics
 from cachefs.store.base import Listing, ObjectInfo, ObjectStore
-from cachefs.store.retry import call_with_retries, call_with_retries_async
-from cachefs.store.s3.answer import BEHAVIOUR, ShortBody, Want, etag_of, get_headers, verify, window
+from cachefs.store.retry import RetryPolicy, call_with_retries, call_with_retries_async
+from cachefs.store.s3.answer import BEHAVIOUR, BadAnswer, Want, etag_of, get_headers, verify, window
 from cachefs.store.s3.http import AsyncGetter
 from cachefs.store.s3.requests import Requests, lean_usable
 
@@ -57,9 +57,11 @@ _DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesN
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "NoSuchUpload", "404"})
 _CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
 _CREDENTIAL_ERRORS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)
-_TEMP_EXCEPTIONS = (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError, ShortBody,
+_TEMP_EXCEPTIONS = (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError, BadAnswer,
                     ConnectionError, TimeoutError)
-_MAPPED = (bx.ClientError, bx.BotoCoreError, ShortBody, ConnectionError, TimeoutError)
+_MAPPED = (bx.ClientError, bx.BotoCoreError, BadAnswer, ConnectionError, TimeoutError)
+_TIMEOUTS = (TimeoutError, bx.ConnectTimeoutError, bx.ReadTimeoutError)
+RESTART_WINDOW = 5.0      # seconds a refused or reset connection is retried (at most the read timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,32 @@ def is_temp_failure(exc: BaseException) -> bool:
     return isinstance(exc, _TEMP_EXCEPTIONS)
 
 
+def is_refusal(exc: BaseException) -> bool:
+    """A refused, reset or cut connection (a server restarting), not a timeout: retried for the
+    policy's window rather than a number of attempts."""
+    return isinstance(exc, (ConnectionError, bx.ConnectionError, bx.ConnectionClosedError)) and \
+        not isinstance(exc, _TIMEOUTS)
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """The seconds a 503/429 answer's Retry-After asks to wait (the delta form only), else None."""
+    if not isinstance(exc, bx.ClientError):
+        return None
+    value = exc.response.get("RetryAfter") or \
+        exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("retry-after")
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 < seconds < float("inf") else None
+
+
+def retry_policy(options: "S3Options") -> RetryPolicy:
+    """Attempts for errors, a window bounded by the read timeout for a restarting server."""
+    return RetryPolicy(is_temp_failure, options.max_attempts, window=min(RESTART_WINDOW, options.read_timeout),
+                       is_refusal=is_refusal, retry_after=retry_after)
+
+
 def map_error(exc: BaseException, *, op: str, url: str, missing: type[StoreError] = NoSuchKey) -> StoreError:
     """The cachefs error for a botocore failure of ``op`` on ``url`` (retries already spent)."""
     where = f"{op} {url}"
@@ -97,7 +125,7 @@ def map_error(exc: BaseException, *, op: str, url: str, missing: type[StoreError
         return _map_client_error(exc, where, missing)
     if isinstance(exc, _CREDENTIAL_ERRORS):
         return AccessDenied(f"{where}: no usable credentials ({type(exc).__name__})")
-    if isinstance(exc, ShortBody):
+    if isinstance(exc, BadAnswer):
         return BadResponse(f"{where}: {exc}")
     if is_temp_failure(exc):
         return Unreachable(f"{where}: {type(exc).__name__}: {exc}")
@@ -182,6 +210,7 @@ class S3Store(ObjectStore):
         self._root = f"{self.prefix}/" if self.prefix else ""
         self._metrics = metrics
         self._options = options
+        self._retry = retry_policy(options)
         session = make_session(options)
         self._client = make_client(options, session)
         self._requests = _requests(self._client, session, options)
@@ -189,6 +218,10 @@ class S3Store(ObjectStore):
         self._putter = self._requests if options.lean_put else None     # PUTs and parts
         self._fallbacks_warned: set[str] = set()
         self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
+
+    @property
+    def cancellable_gets(self) -> bool:
+        return self._async_getter is not None
 
     def _url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
@@ -213,8 +246,7 @@ class S3Store(ObjectStore):
     def _call(self, op: str, key: str, attempt: Callable[[], Any], missing: type[StoreError] = NoSuchKey) -> Any:
         """``attempt()`` with retries; botocore errors left over become cachefs errors."""
         try:
-            return call_with_retries(attempt, op=op, is_temp_failure=is_temp_failure,
-                                     max_attempts=self._options.max_attempts, metrics=self._metrics)
+            return call_with_retries(attempt, op=op, policy=self._retry, metrics=self._metrics)
         except _MAPPED as exc:
             raise map_error(exc, op=op, url=self._url(key), missing=missing) from exc
 
@@ -261,9 +293,8 @@ class S3Store(ObjectStore):
             return b""
         async with limiter:
             try:
-                data = await call_with_retries_async(
-                    lambda: self._get_once_async(key, want), op="get", is_temp_failure=is_temp_failure,
-                    max_attempts=self._options.max_attempts, metrics=self._metrics)
+                data = await call_with_retries_async(lambda: self._get_once_async(key, want), op="get",
+                                                     policy=self._retry, metrics=self._metrics)
             except _MAPPED as exc:
                 raise map_error(exc, op="get", url=want.url) from exc
         self._metrics.store_bytes.inc(len(data))
@@ -323,6 +354,9 @@ class S3Store(ObjectStore):
             status = _status_of(response)
         except bx.ClientError as exc:
             status = _status_of(exc.response)
+            raise
+        except trio.Cancelled:
+            status = "cancelled"          # a hedge that lost, or a reader gone
             raise
         finally:
             self._count("get", status, started)
