@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cachefs.packfmt import PackedIndex
-from cachefs.packfmt.store_index import open_local_index
+from cachefs.packfmt.store_index import local_root, open_local_index
 
 from .order import consumer_share, epoch_order
 from .shards import ShardFiles
@@ -32,7 +32,7 @@ Sample = tuple[str, bytes]
 
 class _Packed:
     def __init__(self, root: str | Path, transform: Callable[[str, bytes], object] | None = None) -> None:
-        self.root = Path(root)
+        self.root = local_root(root)       # a mount of a packed dataset: its .cachefs-packed
         self.manifest, self.index = open_local_index(self.root)
         self.files = ShardFiles(self.root, self.index)
         self.transform = transform

@@ -24,13 +24,13 @@ from cachefs.metrics import Metrics
 from cachefs.namespace.nodes import FsError
 from cachefs.packfmt import Manifest, PackedIndex, open_index, read_manifest, shard_path
 from cachefs.packfmt.errors import CorruptRecord
+from cachefs.packfmt.store_index import PACKED_DIR
 from cachefs.packfmt.tfrecord import crc32c
 from cachefs.store import Listing, ObjectInfo, ObjectStore
 from cachefs.tiers.cache import PRELOAD_MAX, FileVersion, Stream, Tiers
 
 log = logging.getLogger(__name__)
 
-PACKED_DIR = ".cachefs-packed"    # the raw layout, found by name below the mount root
 VERIFY_WHOLE_MAX = 8 << 20        # larger files are verified as they are read in order
 STREAM_SLACK = 1 << 20            # a read this close to a shard's last one still counts as sequential
 

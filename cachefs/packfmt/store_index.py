@@ -9,6 +9,8 @@ from cachefs.packfmt.index import PackedIndex
 from cachefs.packfmt.manifest import MANIFEST, Manifest, read_manifest
 from cachefs.store.base import ObjectStore
 
+PACKED_DIR = ".cachefs-packed"   # where a cachefs mount of a packed dataset shows its layout
+
 
 def read_object(store: ObjectStore, path: str) -> bytes:
     info = store.head(path)
@@ -27,9 +29,18 @@ def open_index(store: ObjectStore) -> tuple[Manifest, PackedIndex]:
     return manifest, PackedIndex.from_parquet(files, shards)
 
 
+def local_root(root: str | Path) -> Path:
+    """The directory holding the layout: ``root`` itself, or ``root/.cachefs-packed`` when ``root`` is
+    a cachefs mount of a packed dataset (it shows the original tree; the layout is found by name there)."""
+    root = Path(root)
+    if not (root / MANIFEST).exists() and (root / PACKED_DIR / MANIFEST).exists():
+        return root / PACKED_DIR
+    return root
+
+
 def open_local_index(root: str | Path) -> tuple[Manifest, PackedIndex]:
     """The same from a directory (a local copy or a cachefs mount of the packed dataset)."""
-    root = Path(root)
+    root = local_root(root)
     try:
         manifest = Manifest.from_json((root / MANIFEST).read_bytes(), str(root / MANIFEST))
         files, shards = (root / manifest.index_files).read_bytes(), (root / manifest.index_shards).read_bytes()
