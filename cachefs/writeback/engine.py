@@ -81,16 +81,16 @@ class Writeback:
         self.replayed_dirs: set[str] = set()     # parents of records replayed at start (vfs relists them)
         self._files: dict[str, StagedFile] = {}
         self._ops: dict[tuple[bool, str], PendingOp] = {}
-        self._uploader = Uploader(store, part_size=part_size, upload_concurrency=upload_concurrency,
-                                  log_concurrency=log_concurrency)
         self._io = trio.CapacityLimiter(8)          # fsync and record writes
+        self._guard = JournalGuard(journal, self._io, metrics)    # journal I/O; fences a failing cache dir
+        self._uploader = Uploader(store, self._guard, part_size=part_size, upload_concurrency=upload_concurrency,
+                                  log_concurrency=log_concurrency)
         self._busy: set[str] = set()
         self._copyups = SingleFlight()
         self._wake = trio.Event()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._m = WritebackMetrics(metrics)
-        self._guard = JournalGuard(journal, self._io, metrics)    # journal I/O; fences a failing cache dir
 
     @property
     def part_size(self) -> int:
@@ -113,9 +113,11 @@ class Writeback:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Replay the journal, then schedule uploads until cancelled."""
         records = await trio.to_thread.run_sync(self.journal.replay)
+        orphans = await trio.to_thread.run_sync(self.journal.open_uploads)
         self._restore(records)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._uploader.abort_orphans, orphans)
             task_status.started()
             await self._schedule()
 

@@ -65,6 +65,25 @@ class JournalGuard:
         if exc is not None:
             self.failed(f"removing record {ident:016x}", exc)
 
+    async def note_upload(self, path: str, upload_id: str) -> int | None:
+        """Note an open multipart upload (journal step 7); None if the note could not be written
+        (the upload goes on: only a crash before it completes would leave it open)."""
+        ident = self.journal.next_seq()
+        try:
+            await trio.to_thread.run_sync(self.journal.note_upload, ident, path, upload_id, limiter=self._limiter)
+        except OSError as exc:
+            self.failed(f"noting the multipart upload of {path}", exc)
+            return None
+        return ident
+
+    async def clear_upload(self, ident: int | None) -> None:
+        if ident is None:
+            return
+        try:
+            await trio.to_thread.run_sync(self.journal.clear_upload, ident, limiter=self._limiter)
+        except OSError as exc:
+            self.failed(f"clearing upload note {ident:016x}", exc)     # the next start aborts it: a no-op
+
     def failed(self, what: str, exc: OSError) -> None:
         self._errors.inc()
         if self.reason:

@@ -5,6 +5,8 @@ On-disk format (``STAGING = CACHE_DIR/staging`` unless ``staging_dir`` says othe
     STAGING/data/<id>            a staged file's whole content, written in place by the daemon
     STAGING/records/<id>.json    one record, {"v": 1, "id", "seq", "kind", "path", "created"}
     STAGING/records/*.tmp        a record being written (deleted at start)
+    STAGING/uploads/<id>.json    an open multipart upload, {"v": 1, "path", "upload_id"}: written
+                                 before its first part, removed once it is completed or aborted
 
 ``id`` and ``seq`` are 16 hex digits from one counter (the largest seen + 1 at start). ``kind``:
 
@@ -34,6 +36,11 @@ Who writes what, in order, and the crash state each step can leave (repair at th
    removed, then the data file. Crash in between: an orphan data file, deleted; crash before:
    the same content is uploaded again (idempotent).
 6. Superseded records (an older ``seq`` for the same path) are removed with their data at start.
+7. Multipart upload: the upload id is noted (``note_upload``) before the first part is sent and
+   the note removed after the completion or abort. Crash in between: the next start aborts
+   every noted upload (``open_uploads``; an abort of a completed or already aborted upload is a
+   no-op), so no upload stays open (and billed) in the bucket. Crash between the store creating
+   the upload and the note: the one window left, for a bucket lifecycle rule to close.
 
 At start ``replay`` applies these repairs and returns the surviving records; the write-back
 engine re-queues every one of them. The journal itself holds no in-memory state beyond
@@ -109,8 +116,9 @@ class Journal:
         self.fsync = fsync
         self.data_dir = os.path.join(root, "data")
         self.records_dir = os.path.join(root, "records")
-        os.makedirs(self.data_dir, exist_ok=True)
-        os.makedirs(self.records_dir, exist_ok=True)
+        self.uploads_dir = os.path.join(root, "uploads")
+        for path in (self.data_dir, self.records_dir, self.uploads_dir):
+            os.makedirs(path, exist_ok=True)
         self._counter = 0
 
     def next_seq(self) -> int:
@@ -138,29 +146,71 @@ class Journal:
     # ---- records -----------------------------------------------------------------------------
     def write_record(self, record: Record) -> None:
         """Atomically create or replace ``record`` (temp, fsync, rename, directory fsync)."""
-        final = self._record_path(record.id)
-        temp = f"{final}.{record.seq:x}.tmp"
+        self._write_atomic(self._record_path(record.id), f"{record.seq:x}", record.to_json())
+
+    def _write_atomic(self, final: str, tag: str, data: bytes) -> None:
+        temp = f"{final}.{tag}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, record.to_json())
+            os.write(fd, data)
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(temp, final)
-        self._sync_dir()
+        self._sync_dir(os.path.dirname(final))
 
     def remove_record(self, ident: int) -> None:
+        self._remove(self._record_path(ident))
+
+    def _remove(self, path: str) -> None:
         try:
-            os.unlink(self._record_path(ident))
+            os.unlink(path)
         except FileNotFoundError:
             return
-        self._sync_dir()
+        self._sync_dir(os.path.dirname(path))
 
-    def _sync_dir(self) -> None:
+    # ---- open multipart uploads (step 7) ---------------------------------------------------------
+    def _upload_path(self, ident: int) -> str:
+        return os.path.join(self.uploads_dir, f"{ident:016x}.json")
+
+    def note_upload(self, ident: int, path: str, upload_id: str) -> None:
+        """Durably note that multipart upload ``upload_id`` of ``path`` is open."""
+        data = json.dumps({"v": FORMAT_VERSION, "path": path, "upload_id": upload_id}).encode()
+        self._write_atomic(self._upload_path(ident), "0", data)
+
+    def clear_upload(self, ident: int) -> None:
+        self._remove(self._upload_path(ident))
+
+    def open_uploads(self) -> list[tuple[int, str, str]]:
+        """(id, path, upload id) of every upload noted and never cleared (a crash left it open);
+        sets the counter past their ids. Unreadable notes are kept aside like records."""
+        found = []
+        for name in sorted(os.listdir(self.uploads_dir)):
+            full = os.path.join(self.uploads_dir, name)
+            if name.endswith(".tmp"):
+                os.unlink(full)           # never noted, so never sent a part: the upload id is unknown
+                continue
+            if not (name.endswith(".json") and _HEX.fullmatch(name[:-5])):
+                continue
+            try:
+                with open(full, "rb") as fh:
+                    data = json.loads(fh.read())
+                if not (isinstance(data, dict) and data.get("v") == FORMAT_VERSION and _valid_path(data.get("path"))
+                        and isinstance(data.get("upload_id"), str) and data["upload_id"]):
+                    raise ValueError(f"malformed upload note: {data!r:.200}")
+            except (OSError, ValueError) as exc:
+                self._keep_aside(full, exc)
+                continue
+            ident = int(name[:-5], 16)
+            self._counter = max(self._counter, ident)
+            found.append((ident, data["path"], data["upload_id"]))
+        return found
+
+    def _sync_dir(self, path: str | None = None) -> None:
         if not self.fsync:
             return
-        fd = os.open(self.records_dir, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(path or self.records_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
         finally:
@@ -207,7 +257,7 @@ class Journal:
         """A record that cannot be read or makes no sense: renamed ``*.bad`` (not deleted: its
         data file is kept too, for a human), one warning line, never a traceback."""
         reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        log.warning("journal: unreadable record %s kept aside as %s.bad (%s)", full, os.path.basename(full), reason)
+        log.warning("journal: unreadable file %s kept aside as %s.bad (%s)", full, os.path.basename(full), reason)
         try:
             os.rename(full, full + ".bad")
         except OSError as err:

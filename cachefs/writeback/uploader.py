@@ -2,6 +2,10 @@
 multipart upload above it (aborted on any failure or supersession, so an object appears only
 complete). Log uploads go first: a checkpoint part starts only when no log upload runs.
 
+A multipart upload's id is noted in the journal before its first part and the note cleared once
+it is completed or aborted; ``abort_orphans`` aborts at start what a crash left open
+(journal step 7), so no upload stays open, and billed, in the bucket.
+
 ``upload`` returns the object's ``ObjectInfo`` or raises ``Superseded`` (the file changed below
 the uploaded size, moved or vanished: nothing was made visible), ``StoreError`` or ``OSError``.
 Worker threads read the job's own descriptor and call the store; nothing shared is touched
@@ -14,6 +18,7 @@ import trio
 
 from cachefs.errors import StoreError
 from cachefs.store import ObjectInfo, ObjectStore
+from cachefs.writeback.fence import JournalGuard
 from cachefs.writeback.policy import CHECKPOINT, LOG, part_size_for
 from cachefs.writeback.staged import StagedFile, Superseded, UploadJob, pread_all
 
@@ -23,9 +28,10 @@ LOG_PRIORITY_WAIT = 1.0
 
 
 class Uploader:
-    def __init__(self, store: ObjectStore, *, part_size: int, upload_concurrency: int,
+    def __init__(self, store: ObjectStore, journal: JournalGuard, *, part_size: int, upload_concurrency: int,
                  log_concurrency: int) -> None:
         self.store = store
+        self.journal = journal
         self.part_size = part_size
         self.limiters = {LOG: trio.CapacityLimiter(log_concurrency),
                          CHECKPOINT: trio.CapacityLimiter(upload_concurrency)}
@@ -70,22 +76,37 @@ class Uploader:
     async def _put_multipart(self, entry: StagedFile, job: UploadJob) -> ObjectInfo:
         limiter = self.limiters[job.cls]
         upload_id = await trio.to_thread.run_sync(self.store.start_upload, job.path, limiter=limiter)
+        note = await self.journal.note_upload(job.path, upload_id)     # before the first part
         try:
             parts = await self._send_parts(entry, job, upload_id, limiter)
             entry.check(job)
-            return await trio.to_thread.run_sync(self.store.finish_upload, job.path, upload_id, parts, job.size,
+            info = await trio.to_thread.run_sync(self.store.finish_upload, job.path, upload_id, parts, job.size,
                                                  limiter=limiter)
         except BaseException:
-            await self._abort(job.path, upload_id)
+            if await self._abort(job.path, upload_id):
+                with trio.CancelScope(shield=True):
+                    await self.journal.clear_upload(note)
             raise
+        await self.journal.clear_upload(note)
+        return info
 
-    async def _abort(self, path: str, upload_id: str) -> None:
+    async def _abort(self, path: str, upload_id: str) -> bool:
         with trio.move_on_after(30, shield=True):
             try:
                 await trio.to_thread.run_sync(self.store.abort_upload, path, upload_id)
+                return True
             except StoreError as exc:
-                log.info("abort of an upload of %s failed (invisible; a bucket lifecycle rule "
-                         "removes it): %s", path, exc)
+                log.info("abort of an upload of %s failed (invisible; the next start aborts it again): %s",
+                         path, exc)
+        return False
+
+    async def abort_orphans(self, uploads: list[tuple[int, str, str]]) -> None:
+        """Abort the multipart uploads a crash left open (noted, never cleared); a failed abort
+        keeps its note for the next start."""
+        for ident, path, upload_id in uploads:
+            if await self._abort(path, upload_id):
+                log.info("aborted a multipart upload of %s left open by the last run", path)
+                await self.journal.clear_upload(ident)
 
     async def _send_parts(self, entry: StagedFile, job: UploadJob, upload_id: str,
                           limiter: trio.CapacityLimiter) -> list[tuple[int, str]]:
