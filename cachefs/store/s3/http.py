@@ -70,7 +70,8 @@ def _parse_head(section: bytes) -> tuple[int, dict[str, str], bool]:
     first = section.find(b"\n")
     line = section[:first - 1] if section[first - 1:first] == b"\r" else section[:first]
     match = _STATUS_LINE.match(line)
-    if match is None or not (len(line) == 12 or line[12:13] == b" " and not _has_control(line + b"\n")):
+    if match is None or b"\r" in line or not (len(line) == 12 or line[12:13] == b" "
+                                              and not _has_control(line + b"\n")):
         raise ValueError(f"not an HTTP/1.x response: {line[:80]!r}")
     status = int(match[2])
     if status < 100:
