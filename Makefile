@@ -11,7 +11,7 @@ demo: $(STAMP)
 	$(VENV)/bin/cachefs demo
 
 test: lint
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra --durations=25
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(wildcard cachefs warmup packer csi tests benchmarks)
