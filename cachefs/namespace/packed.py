@@ -32,7 +32,6 @@ from cachefs.tiers.cache import PRELOAD_MAX, FileVersion, Stream, Tiers
 log = logging.getLogger(__name__)
 
 VERIFY_WHOLE_MAX = 8 << 20        # larger files are verified as they are read in order
-STREAM_SLACK = 1 << 20            # a read this close to a shard's last one still counts as sequential
 
 
 def open_packed(store: ObjectStore) -> tuple[Manifest, PackedIndex] | None:
@@ -136,14 +135,15 @@ class PackedView:
         return await self.tiers.read(ref.file, ref.offset + offset, end - offset, self._stream(ref, offset))
 
     def _stream(self, ref: PackedRef, offset: int) -> Stream:
-        """The shard's readahead stream; a read near where the shard's last read ended (the next
-        file of the shard, or a neighbour's read overtaking it) continues it."""
+        """The shard's readahead stream, shared by every handle reading the shard. Any read of a
+        shard after its first continues the stream, in path order or shuffled: an epoch reads
+        every block of a shard sooner or later, so each read fetches ahead a window after itself
+        (doubling up to --readahead-size; cached and in-flight blocks skipped, dropped when busy)."""
         stream = self._streams.get(ref.file.path)
         if stream is None:
             stream = self._streams[ref.file.path] = Stream()
-        start = ref.offset + offset
-        if stream.next_offset and abs(start - stream.next_offset) <= STREAM_SLACK:
-            stream.next_offset = start
+        elif ref.offset + offset > 0:
+            stream.next_offset = ref.offset + offset
         return stream
 
     async def _whole(self, ref: PackedRef) -> bytes:
