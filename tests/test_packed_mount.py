@@ -188,3 +188,101 @@ def test_a_bad_manifest_or_index_refuses_the_mount(s3_server, bucket, mount_fact
     assert len(lines) == 1 and lines[0].startswith("cachefs: error:") and "Traceback" not in result.stderr
     assert ("version 99" in lines[0]) if damage == "version" else ("Parquet" in lines[0])
     assert not is_mounted(mnt.path)
+
+
+# ---- the read path without a kernel: PackedView over a fake tiers -------------------------------
+class _Discards:
+    def __init__(self, on_discard) -> None:
+        self.on_discard = on_discard
+
+    def discard(self, key) -> None:
+        self.on_discard(key)
+
+
+class FakeTiers:
+    """The shard's bytes as the tiers would serve them; ``heal`` fixes them when a block is evicted
+    (the refetch from the store then brings the right bytes)."""
+
+    block_size = 1024
+
+    def __init__(self, shard: bytes, heal: bool) -> None:
+        self.shard = bytearray(shard)
+        self.good = bytes(shard)
+        self.heal = heal
+        self.evicted: set = set()
+        self.memory = self.disk = _Discards(self._discard)
+
+    def _discard(self, key) -> None:
+        self.evicted.add(key[1])
+        if self.heal:
+            self.shard[:] = self.good
+
+    def key(self, f, index):
+        return (f.path, index)
+
+    async def read(self, f, offset, size, stream=None) -> bytes:
+        return bytes(self.shard[offset:offset + size])
+
+
+def packed_view(files: dict[str, bytes], heal: bool, corrupt: str):
+    from cachefs.metrics import Metrics
+    from cachefs.namespace.packed import PackedView
+    from cachefs.packfmt import FILES_SCHEMA, PackedIndex
+    from cachefs.packfmt.shard import ShardBuilder
+    builder = ShardBuilder(0)
+    shard = b"".join(builder.add(p, files[p], mtime=1.0, mode=0o100755, etag="e") for p in sorted(files))
+    index = PackedIndex(pa.Table.from_pylist(builder.rows, FILES_SCHEMA),
+                        pa.Table.from_pylist([builder.shard_row("shard-etag")], SHARDS_SCHEMA))
+    tiers = FakeTiers(shard, heal)
+    row = next(r for r in builder.rows if r["path"] == corrupt)
+    tiers.shard[row["data_offset"] + row["data_length"] - 1] ^= 1
+    metrics = Metrics()
+    return PackedView(None, None, index, tiers, metrics), tiers, metrics
+
+
+def run(fn, *args):
+    import trio
+    return trio.run(fn, *args)
+
+
+@pytest.mark.allow_warnings
+@pytest.mark.parametrize("heal", [True, False])
+def test_a_small_record_is_checked_whole_and_refetched_once(heal):
+    from cachefs.packfmt import CorruptRecord
+    from cachefs.tiers.cache import Stream
+    files = {"a.bin": bytes(range(256)) * 3, "b.bin": b"b" * 2000, "c.bin": b"c" * 10}
+    view, tiers, metrics = packed_view(files, heal, corrupt="b.bin")
+    assert view.mode("a.bin") == 0o100755 and view.mode(".cachefs-packed/manifest.json") is None
+    ref = view.ref("b.bin", 2000, "g0")
+    if heal:       # the store had the right bytes: the refetch serves them, the mismatch is counted
+        assert run(view.read, ref, Stream(), 100, 50) == files["b.bin"][100:150]
+    else:
+        with pytest.raises(CorruptRecord) as info:
+            run(view.read, ref, Stream(), 100, 50)
+        assert info.value.errno == errno.EIO
+    assert metrics.counter_value("cachefs_packed_crc_errors_total") == 1
+    assert tiers.evicted == set(range(ref.offset // 1024, (ref.offset + ref.size - 1) // 1024 + 1))
+    assert run(view.read, view.ref("c.bin", 10, "g0"), Stream(), 0, 4096) == b"c" * 10
+    assert run(view.preload, view.ref("a.bin", 768, "g0"), Stream()) == files["a.bin"]
+
+
+@pytest.mark.allow_warnings
+@pytest.mark.parametrize("corrupt", ["big.bin", "a.bin"])
+def test_a_large_record_is_checked_as_it_is_read_in_order(monkeypatch, corrupt):
+    from cachefs.namespace import packed
+    from cachefs.packfmt import CorruptRecord
+    from cachefs.tiers.cache import Stream
+    monkeypatch.setattr(packed, "VERIFY_WHOLE_MAX", 1000)
+    big = random.Random(1).randbytes(5000)
+    view, tiers, metrics = packed_view({"a.bin": b"a" * 100, "big.bin": big}, heal=False, corrupt=corrupt)
+    ref = view.ref("big.bin", len(big), "g0")
+    got = [run(view.read, ref, Stream(), offset, 1024) for offset in range(0, 4096, 1024)]
+    assert b"".join(got) == big[:4096]                      # served as read: the crc needs the end
+    assert run(view.read, ref, Stream(), 100, 10) == big[100:110]   # a reread inside: not checked again
+    if corrupt == "big.bin":
+        with pytest.raises(CorruptRecord):
+            run(view.read, ref, Stream(), 4096, 1024)       # the read that completes it fails
+        assert metrics.counter_value("cachefs_packed_crc_errors_total") == 1 and tiers.evicted
+    else:
+        assert run(view.read, ref, Stream(), 4096, 1024) == big[4096:]
+        assert ref.verified and metrics.counter_value("cachefs_packed_crc_errors_total") == 0

@@ -27,7 +27,7 @@ class FsError(CachefsError):
 
 class Node:
     __slots__ = ("inode", "path", "is_dir", "size", "mtime", "etag", "checked_at", "lookups",
-                 "opens", "kernel_etag", "staged", "packed")
+                 "opens", "kernel_etag", "staged", "packed", "mode")
 
     def __init__(self, inode: int, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> None:
         self.inode = inode
@@ -42,6 +42,7 @@ class Node:
         self.kernel_etag: str | None = None   # the version whose pages the kernel may hold
         self.staged: StagedFile | None = None  # written here, not (yet) retired to the store
         self.packed = None          # a packed dataset's file: where its bytes are (namespace/packed.py)
+        self.mode: int | None = None  # st_mode a packed dataset's index records (None: the mount's file mode)
 
     def show(self, entry: StagedFile) -> None:
         self.staged = entry

@@ -79,7 +79,7 @@ class PackedView:
         self._streams: dict[str, Stream] = {}
         files = index.files     # one chunk each (validated on load): numpy views, no copies
         self._col = {name: files.column(name).to_numpy() for name in
-                     ("shard", "data_offset", "data_length", "crc32c", "mtime", "generation")}
+                     ("shard", "data_offset", "data_length", "crc32c", "mtime", "generation", "mode")}
 
     # ---- the namespace ------------------------------------------------------------------------
     def list_dir(self, prefix: str) -> Listing:
@@ -103,6 +103,11 @@ class PackedView:
         c = self._col
         return PackedRef(self._shards[c["shard"][row]], int(c["data_offset"][row]), int(c["data_length"][row]),
                          int(c["crc32c"][row]))
+
+    def mode(self, path: str) -> int | None:
+        """The st_mode the index records for ``path`` (None for the raw layout's objects)."""
+        row = None if is_raw(path) else self.index.find(path)
+        return None if row is None else int(self._col["mode"][row])
 
     # ---- reads --------------------------------------------------------------------------------
     async def read(self, ref: PackedRef, stream: Stream, offset: int, size: int) -> bytes:

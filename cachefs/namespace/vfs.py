@@ -191,6 +191,10 @@ class Vfs:
         return self._file_node(path, info)
 
     def _file_node(self, path: str, info: ObjectInfo) -> Node:
+        if self.packed is not None:
+            node = self._node_for(path, False, info)
+            node.mode = self.packed.mode(path) if node.mode is None else node.mode   # from the index
+            return node
         entry = self.wb.staged(path) if self.wb is not None else None
         if entry is None:
             return self._node_for(path, False, info)
