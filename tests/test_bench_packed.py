@@ -1,0 +1,136 @@
+"""The packed benchmark's harness (benchmarks/bench_packed.py, packed_rows.py) computes what it says:
+the copy and pack rows count the files and bytes they moved, the pack row's peak RSS is the
+subprocess's, a DataLoader epoch counts every file once and flags wrong sizes and missing files,
+the mount rows' GET counts equal the GET requests the server got, and the ratio table says met /
+not met / n/a. Tiny sizes on the moto server: seconds, no timing asserted."""
+
+import os
+import random
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from benchmarks import bench_packed, packed_rows, readers
+from benchmarks.cachefs_mount import CachefsMount
+from benchmarks.dataset import Entry
+from benchmarks.latency_proxy import LatencyProxy
+from cachefs.data import PackedIterableDataset
+
+MiB = 1 << 20
+
+
+def client_for(url: str):
+    return boto3.client("s3", endpoint_url=url, config=Config(s3={"addressing_style": "path"}))
+
+
+def put_files(client, bucket: str, prefix: str, n: int = 30) -> list[Entry]:
+    rng = random.Random(7)
+    entries = []
+    for i in range(n):
+        path, data = f"train/c{i % 3}/img_{i:03d}.JPEG", rng.randbytes(rng.randint(20_000, 120_000))
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{path}", Body=data)
+        entries.append(Entry(path, len(data), ""))
+    return entries
+
+
+def test_copy_and_pack_rows_count_what_they_moved(s3_server, bucket):
+    client = client_for(s3_server.endpoint_url)
+    entries = put_files(client, bucket, "src")
+    total = sum(e.size for e in entries)
+
+    copy = packed_rows.boto3_copy("copy", client, bucket, "src", "copy", entries, threads=4)
+    assert (copy.tally.files, copy.tally.bytes, copy.ok) == (len(entries), total, True)
+    for e in entries[:5]:
+        assert (client.get_object(Bucket=bucket, Key=f"copy/{e.path}")["Body"].read()
+                == client.get_object(Bucket=bucket, Key=f"src/{e.path}")["Body"].read())
+
+    run = packed_rows.pack_run(f"s3://{bucket}/src", f"s3://{bucket}/packed", s3_server.endpoint_url, 4, "1M",
+                               dict(os.environ))
+    assert run["returncode"] == 0, run["stderr"]
+    summary = run["summary"]
+    assert (summary["total_files"], summary["total_bytes"]) == (len(entries), total)
+    shards = client.list_objects_v2(Bucket=bucket, Prefix="packed/shards/")["Contents"]
+    assert len([s for s in shards if s["Key"].endswith(".tfrecord")]) == summary["total_shards"] >= 2
+    # the peak RSS is the pack subprocess's (a Python process with pyarrow: tens of MiB, not ours)
+    assert 20 * MiB < run["peak_rss"] < 1024 * MiB
+    assert run["vm_hwm_sampled"] <= run["peak_rss"] == max(run["vm_hwm_sampled"], run["ru_maxrss"])
+
+
+def test_loader_epoch_counts_every_file_once_and_flags_wrong_sizes(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "packed"
+    rng = random.Random(3)
+    entries = []
+    for i in range(24):
+        path = f"d{i % 2}/f{i:02d}.bin"
+        (src / path).parent.mkdir(parents=True, exist_ok=True)
+        (src / path).write_bytes(rng.randbytes(1000 + 37 * i))
+        entries.append(Entry(path, 1000 + 37 * i, ""))
+    run = packed_rows.pack_run(str(src), str(dst), "", 2, "8K", dict(os.environ))
+    assert run["returncode"] == 0, run["stderr"]
+    total = sum(e.size for e in entries)
+
+    with PackedIterableDataset(dst, seed=1) as ds:
+        packed = packed_rows.loader_epoch("packed", ds, entries, workers=2)
+    local = packed_rows.loader_epoch("local", packed_rows.FileDataset(src, [e.path for e in entries]), entries, 2)
+    for result in (packed, local):
+        assert (result.tally.files, result.tally.bytes, result.ok) == (len(entries), total, True)
+
+    wrong = [Entry(e.path, e.size + (i == 0), "") for i, e in enumerate(entries)] + [Entry("never/there", 1, "")]
+    with PackedIterableDataset(dst, seed=1) as ds:
+        bad = packed_rows.loader_epoch("packed", ds, wrong, workers=2)
+    assert bad.tally.bad_size == 1 and bad.tally.errors == 1 and not bad.ok   # one wrong size, one missing
+
+
+@pytest.mark.fuse
+def test_a_mount_rows_get_count_is_the_gets_the_server_got(s3_server, bucket, tmp_path):
+    client = client_for(s3_server.endpoint_url)
+    entries = put_files(client, bucket, "src", n=40)
+    assert packed_rows.pack_run(f"s3://{bucket}/src", f"s3://{bucket}/packed", s3_server.endpoint_url, 4, "1M",
+                                dict(os.environ))["returncode"] == 0
+    host, port = s3_server.endpoint_url.removeprefix("http://").split(":")
+    with LatencyProxy(host, int(port), latency=0.0) as proxy, \
+            CachefsMount(f"s3://{bucket}/packed", tmp_path / "mnt", endpoint_url=proxy.endpoint_url,
+                         cache_dir=tmp_path / "cache", mem_cache_size="64M", cache_size="1G") as mnt:
+        if not (mnt.mountpoint / entries[0].path).exists():
+            pytest.skip("the packed view is not in this tree yet")
+        for e in entries:                    # lookups and opens first: the epoch then only reads data
+            os.stat(mnt.mountpoint / e.path)
+        before, requests = bench_packed.gets(mnt), proxy.stats()["requests"]
+        result = readers.read_files("packed", mnt.mountpoint, entries, 4)
+        got = bench_packed.gets(mnt) - before
+        assert (result.tally.files, result.tally.bytes, result.ok) == (40, sum(e.size for e in entries), True)
+        assert got == proxy.stats()["requests"] - requests
+        assert 1 <= got <= 40 // 2          # shards of 1 MiB hold ~10 files: a GET serves many
+        assert bench_packed.packed_root(mnt.mountpoint) is not None
+
+
+def test_ratios_say_met_not_met_and_na():
+    def row(files_per_s, ok=True, **extra):
+        return {"name": "x", "files_per_s": files_per_s, "mb_per_s": 1.0, "seconds": 1.0, "ok": ok, **extra}
+
+    rows = {"boto3": row(100.0), "packed_cold": row(600.0, gets=400), "unpacked_disk": row(1000.0),
+            "local_loader": row(1000.0), "loader_warm": row(900.0), "copy": row(50.0), "pack": row(40.0),
+            "streaming_epoch": row(200.0), "s3torch_epoch": row(300.0, ok=False),
+            "loader_cold": {"name": "loader cold", "ok": True, "note": "n/a (packed view not available)"}}
+    rats = {r["label"].split(" (")[0]: r for r in bench_packed.ratios(rows, files=10_000)}
+    assert rats["packed mount cold / boto3"]["value"] == 6.0 and rats["packed mount cold / boto3"]["pass"]
+    assert rats["packed mount cold / unpacked disk tier"]["pass"] is False
+    assert rats["loader warm / local disk"]["pass"] is True
+    assert rats["cachefs pack / boto3 copy"]["pass"] is False
+    assert rats["loader cold / best peer"]["value"] is None and rats["loader cold / best peer"]["pass"] is None
+    assert "streaming" in next(r["label"] for r in bench_packed.ratios(rows, 10_000) if "best peer" in r["label"])
+    gets = next(r for r in bench_packed.ratios(rows, 10_000) if "packed cold" in r["label"])
+    assert gets["pass"] is True and gets["target"] == 500
+    table = bench_packed.render(rows, bench_packed.ratios(rows, 10_000), "header")
+    assert "n/a (packed view not available)" in table and "NOT MET" in table
+
+
+def test_packed_root_finds_the_layout(tmp_path):
+    assert bench_packed.packed_root(tmp_path) is None
+    (tmp_path / ".cachefs-packed").mkdir()
+    (tmp_path / ".cachefs-packed" / "manifest.json").write_text("{}")
+    assert bench_packed.packed_root(tmp_path) == tmp_path / ".cachefs-packed"
+    (tmp_path / "manifest.json").write_text("{}")
+    assert bench_packed.packed_root(Path(tmp_path)) == tmp_path
