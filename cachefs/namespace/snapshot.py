@@ -8,6 +8,7 @@ Touched only from the trio thread (a listing is rare next to reads).
 import contextlib
 import hashlib
 import logging
+import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,6 +132,21 @@ class ListingSnapshot:
             if row is not None:
                 self._change("UPDATE dirs SET listed_at = ? WHERE path = ?", (row[0], dir_path))
 
+    def sync(self) -> None:
+        """Make every change so far durable (fsync the WAL and the database file). Blocking, for a
+        worker thread: the write-back calls it before removing the journal record that covers a
+        change, so a power cut or a cache dir failing under us (whose unsynced pages are lost)
+        cannot roll the snapshot back to before a change no record covers any more."""
+        for suffix in ("-wal", ""):
+            try:
+                fd = os.open(f"{self.path}{suffix}", os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
     def _change(self, sql: str, args: tuple) -> None:
         try:
             self._db.execute(sql, args)
@@ -161,6 +177,9 @@ class NoSnapshot:
         pass
 
     def dir_changed(self, path: str, present: bool) -> None:
+        pass
+
+    def sync(self) -> None:
         pass
 
     @contextlib.contextmanager

@@ -60,11 +60,13 @@ class Vfs:
         self.wb = writeback         # None: a read-only mount (EROFS)
         self.fsync_remote = fsync_remote
         self._uploaded: dict[str, tuple[ObjectInfo, float]] = {}   # retired lately: for racing listings
+        self._saved = snapshot if snapshot is not None else NoSnapshot()   # told of the mount's own changes
+        self._replayed = writeback.replayed_dirs if writeback is not None else set()   # relisted once at start
         if writeback is not None:
             writeback.on_retired = self._retired
+            writeback.set_barrier(self._saved.sync)     # rows durable before the record covering them goes
         self.blocks = blocks
         self.snapshot = snapshot
-        self._saved = snapshot if snapshot is not None else NoSnapshot()   # told of the mount's own changes
         self.ttl = metadata_ttl
         self.immutable = immutable
         self._limiter = list_limiter or trio.CapacityLimiter(16)
@@ -93,14 +95,9 @@ class Vfs:
             if saved is not None:
                 state = self._dirs[path] = DirState.from_listing(saved[1], saved[0])
                 self._overlay(path, state)
-                if self.is_fresh(state.listed_at) and not self._journal_touched(path):
+                if self.is_fresh(state.listed_at) and path not in self._replayed:   # see docs/writeback.md
                     return state
         return await self._listings.do(path, lambda: self._relist(path, state))
-
-    def _journal_touched(self, path: str) -> bool:
-        """A record replayed at start names a child of ``path``: a killed daemon may have changed
-        the bucket there after its last snapshot write, so relist once (docs/writeback.md)."""
-        return self.wb is not None and path in self.wb.replayed_dirs
 
     async def _relist(self, path: str, stale: DirState | None) -> DirState:
         prefix = dir_prefix(path)
@@ -116,8 +113,7 @@ class Vfs:
         state = self._dirs[path] = DirState.from_listing(listing, started)
         if self.snapshot is not None:
             self.snapshot.save(prefix, listing, started)
-        if self.wb is not None:
-            self.wb.replayed_dirs.discard(path)
+        self._replayed.discard(path)
         self._refresh_known_children(path, state, started)
         self._overlay(path, state)
         return state

@@ -139,6 +139,11 @@ class Writeback:
             log.info("journal: resuming %d staged file(s) (%d bytes) and %d pending operation(s)",
                      len(self._files), self.staged_bytes, len(self._ops))
 
+    def set_barrier(self, barrier: Callable[[], None]) -> None:
+        """``barrier`` (blocking) runs before each record removal: what the record covered is
+        made durable elsewhere first (the listing snapshot's rows, docs/writeback.md)."""
+        self._guard.barrier = barrier
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -323,7 +328,6 @@ class Writeback:
         old = self._files.get(entry.path)
         self._files[entry.path] = entry
         self.staged_bytes += entry.size
-        self.cancel_delete(entry.path)
         if old is not None:
             entry.remote = entry.remote or old.remote
             await self._discard(old)
@@ -332,6 +336,7 @@ class Writeback:
         except OSError:
             await self._discard(entry)      # never acknowledged: its staging file goes (if it can)
             raise
+        self.cancel_delete(entry.path)      # only now: a pending delete stays if the record failed
         entry.ready = True
         self.wake()
 

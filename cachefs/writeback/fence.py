@@ -10,6 +10,7 @@ reaches the FUSE call that asked for the write.
 import errno
 import logging
 import os
+from collections.abc import Callable
 
 import trio
 from prometheus_client import Counter
@@ -25,6 +26,7 @@ class JournalGuard:
         self.journal = journal
         self.reason = ""        # why the staging area takes no more writes ("": it does)
         self._limiter = limiter
+        self.barrier: Callable[[], None] = lambda: None    # blocking; made durable before a record goes
         self._errors = Counter("cachefs_journal_errors", "Journal writes or removals that failed (the record "
                                "stays for the next start; the staging area is fenced)", registry=metrics.registry)
 
@@ -43,8 +45,11 @@ class JournalGuard:
             self.check()
 
     async def remove_record(self, ident: int) -> None:
+        def remove() -> None:
+            self.barrier()
+            self.journal.remove_record(ident)
         try:
-            await trio.to_thread.run_sync(self.journal.remove_record, ident, limiter=self._limiter)
+            await trio.to_thread.run_sync(remove, limiter=self._limiter)
         except OSError as exc:
             self.failed(f"removing record {ident:016x}", exc)
 
@@ -53,6 +58,7 @@ class JournalGuard:
         removal leaves both (the record first: a record never outlives its data)."""
         def remove() -> OSError | None:
             try:
+                self.barrier()
                 self.journal.remove_record(ident)
                 self.journal.remove_data(ident)
             except OSError as exc:
