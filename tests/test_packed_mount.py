@@ -40,7 +40,7 @@ def proxied(s3_server, bucket):
         yield proxy, bucket, s3_client(s3_server.endpoint_url)
 
 
-def make_files(n: int = 400, seed: int = 5) -> dict[str, bytes]:
+def make_files(n: int = 200, seed: int = 5) -> dict[str, bytes]:
     rng = random.Random(seed)
     files = {f"train/c{i % 4}/img_{i:04d}.jpg": rng.randbytes(rng.randint(1, 16_000)) for i in range(n)}
     files["train/empty.txt"] = b""
@@ -72,8 +72,8 @@ def tree_of(root) -> dict[str, bytes]:
 def test_the_original_tree_reads_back_byte_identical_with_few_gets(s3_server, proxied, mount_factory):
     proxy, bucket, client = proxied
     files = make_files()
-    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
-    mnt = mount(proxy, bucket, mount_factory).start()
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "2M")
+    mnt = mount(proxy, bucket, mount_factory, "--block-size", "1M").start()     # ~90 files a block
     gets, lists = mnt.requests("get"), mnt.requests("list")
 
     assert sorted(os.listdir(mnt.path)) == ["labels.csv", "train", "val"]     # no shards, no manifest
