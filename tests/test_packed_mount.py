@@ -171,6 +171,15 @@ def test_warmup_fetches_whole_shards_then_reads_come_from_the_cache(s3_server, p
     mnt.umount()
 
 
+def test_a_foreign_manifest_json_is_just_a_file(s3_server, bucket, mount_factory):
+    client = s3_client(s3_server.endpoint_url)
+    files = {"manifest.json": b'{"images": 3}', "shards/a.txt": b"not a shard", "x.txt": b"x"}
+    put_tree(client, bucket, "plain", files)
+    mnt = mount_factory(f"s3://{bucket}/plain", "--endpoint-url", s3_server.endpoint_url).start()
+    assert tree_of(mnt.path) == files
+    mnt.umount()
+
+
 @pytest.mark.parametrize("damage, code", [("version", PackExit.UNKNOWN_VERSION), ("index", PackExit.CORRUPT)])
 def test_a_bad_manifest_or_index_refuses_the_mount(s3_server, bucket, mount_factory, damage, code):
     client = s3_client(s3_server.endpoint_url)

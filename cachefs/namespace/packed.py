@@ -16,14 +16,16 @@ mismatch evicts the record's blocks, counts ``cachefs_packed_crc_errors_total``,
 """
 
 import errno
+import json
 import logging
 from dataclasses import dataclass
 
 from cachefs.errors import CachefsError, NoSuchKey
 from cachefs.metrics import Metrics
 from cachefs.namespace.nodes import FsError
-from cachefs.packfmt import Manifest, PackedIndex, open_index, read_manifest, shard_path
+from cachefs.packfmt import MANIFEST, Manifest, PackedIndex, open_index, shard_path
 from cachefs.packfmt.errors import CorruptRecord
+from cachefs.packfmt.manifest import FORMAT
 from cachefs.packfmt.store_index import PACKED_DIR
 from cachefs.packfmt.tfrecord import crc32c
 from cachefs.store import Listing, ObjectInfo, ObjectStore
@@ -35,11 +37,25 @@ VERIFY_WHOLE_MAX = 8 << 20        # larger files are verified as they are read i
 
 
 def open_packed(store: ObjectStore) -> tuple[Manifest, PackedIndex] | None:
-    """The manifest and index when the store's root is a packed dataset, else None. An unknown
-    manifest version (UnknownVersion, exit 24) or a corrupt index (CorruptIndex, exit 23) raises."""
-    if read_manifest(store) is None:
+    """The manifest and index when the store's root is a packed dataset, else None (a dataset's
+    own ``manifest.json`` that is not ours is just a file). Once the manifest says it is ours, an
+    unknown version (UnknownVersion, exit 24) or a corrupt index (CorruptIndex, exit 23) raises."""
+    try:
+        info = store.head(MANIFEST)
+    except NoSuchKey:
+        return None
+    if not _claims_pack(store.get(MANIFEST, 0, info.size, info.etag, info.size)):
+        log.info("%s is not a cachefs pack manifest: mounting the prefix as it is", MANIFEST)
         return None
     return open_index(store)
+
+
+def _claims_pack(data: bytes) -> bool:
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT
 
 
 @dataclass(slots=True)
