@@ -20,7 +20,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from cachefs.errors import CachefsError, NoSuchKey
+from cachefs.errors import AccessDenied, CachefsError, NoSuchKey
 from cachefs.metrics import Metrics
 from cachefs.namespace.nodes import FsError
 from cachefs.packfmt import MANIFEST, Manifest, PackedIndex, open_index, shard_path
@@ -42,7 +42,7 @@ def open_packed(store: ObjectStore) -> tuple[Manifest, PackedIndex] | None:
     unknown version (UnknownVersion, exit 24) or a corrupt index (CorruptIndex, exit 23) raises."""
     try:
         info = store.head(MANIFEST)
-    except NoSuchKey:
+    except (NoSuchKey, AccessDenied):      # S3 answers 403 for a missing key without s3:ListBucket
         return None
     if not _claims_pack(store.get(MANIFEST, 0, info.size, info.etag, info.size)):
         log.info("%s is not a cachefs pack manifest: mounting the prefix as it is", MANIFEST)
