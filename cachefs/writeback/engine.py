@@ -328,6 +328,7 @@ class Writeback:
         old = self._files.get(entry.path)
         self._files[entry.path] = entry
         self.staged_bytes += entry.size
+        self.cancel_delete(entry.path)
         if old is not None:
             entry.remote = entry.remote or old.remote
             await self._discard(old)
@@ -336,7 +337,6 @@ class Writeback:
         except OSError:
             await self._discard(entry)      # never acknowledged: its staging file goes (if it can)
             raise
-        self.cancel_delete(entry.path)      # only now: a pending delete stays if the record failed
         entry.ready = True
         self.wake()
 
@@ -362,6 +362,9 @@ class Writeback:
                 data = await self.store.get_async(path, start, end, etag, size,
                                                   limiter=self._uploader.limiters[LOG])
                 os.pwrite(entry.fd, data, start)
+            # durable before its record: a power cut (or a cache dir failing) must not leave a
+            # record naming a copy whose pages were lost, which replay would upload over the object
+            await trio.to_thread.run_sync(self.journal.sync_data, entry.fd, limiter=self._io)
         except BaseException:
             os.close(entry.fd)
             self.journal.remove_data(entry.id)
