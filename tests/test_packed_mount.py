@@ -213,6 +213,7 @@ class FakeTiers:
     (the refetch from the store then brings the right bytes)."""
 
     block_size = 1024
+    readahead_size = 4096
 
     def __init__(self, shard: bytes, heal: bool) -> None:
         self.shard = bytearray(shard)

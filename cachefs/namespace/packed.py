@@ -93,6 +93,7 @@ class PackedView:
         shards = index.shards.select(["shard", "etag", "bytes"]).to_pylist()
         self._shards = [FileVersion(shard_path(s["shard"]), s["etag"], s["bytes"]) for s in shards]
         self._streams: dict[str, Stream] = {}
+        self._asked: dict[str, set[int]] = {}      # per shard: blocks readahead was asked for
         files = index.files     # one chunk each (validated on load): numpy views, no copies
         self._col = {name: files.column(name).to_numpy() for name in
                      ("shard", "data_offset", "data_length", "crc32c", "mtime", "generation", "mode")}
@@ -153,18 +154,32 @@ class PackedView:
             return None         # the open succeeds; the READ fails with the error's errno
 
     async def _range(self, ref: PackedRef, offset: int, end: int) -> bytes:
-        return await self.tiers.read(ref.file, ref.offset + offset, end - offset, self._stream(ref, offset))
+        return await self.tiers.read(ref.file, ref.offset + offset, end - offset, self._stream(ref, offset, end))
 
-    def _stream(self, ref: PackedRef, offset: int) -> Stream:
+    def _stream(self, ref: PackedRef, offset: int, end: int) -> Stream | None:
         """The shard's readahead stream, shared by every handle reading the shard. Any read of a
         shard after its first continues the stream, in path order or shuffled: an epoch reads
         every block of a shard sooner or later, so each read fetches ahead a window after itself
-        (doubling up to --readahead-size; cached and in-flight blocks skipped, dropped when busy)."""
-        stream = self._streams.get(ref.file.path)
+        (doubling up to --readahead-size; cached and in-flight blocks skipped, dropped when busy).
+        Blocks already asked for once are not asked for again (None: no readahead for this read),
+        so a warm epoch does not pay a readahead per file."""
+        path = ref.file.path
+        stream = self._streams.get(path)
         if stream is None:
-            stream = self._streams[ref.file.path] = Stream()
-        elif ref.offset + offset > 0:
-            stream.next_offset = ref.offset + offset
+            self._streams[path] = Stream()
+            self._asked[path] = set()
+            return self._streams[path]
+        start, stop = ref.offset + offset, min(ref.offset + end, ref.file.size)
+        if start == 0:
+            return stream
+        bs = self.tiers.block_size
+        window = min(max(stream.window * 2, bs), self.tiers.readahead_size)
+        ahead = range(stop // bs, (min(stop + window, ref.file.size) - 1) // bs + 1)
+        asked = self._asked[path]
+        if all(i in asked for i in ahead):
+            return None
+        asked.update(ahead)
+        stream.next_offset = start
         return stream
 
     async def _whole(self, ref: PackedRef) -> bytes:
