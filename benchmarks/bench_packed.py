@@ -292,7 +292,7 @@ def render(rows: dict, rats: list[dict], header: str) -> str:
                      f"{'yes' if row.get('ok') else 'NO'}")
     lines += ["", f"{'ratio':<62} {'value':>8} {'target':>8}  met"]
     for r in rats:
-        value = "n/a" if r["value"] is None else f"{r['value']:.2f}"
+        value = "n/a" if r["value"] is None else f"{r['value']:.0f}" if r.get("at_most") else f"{r['value']:.2f}"
         target = "-" if r["target"] is None else ("<= " if r.get("at_most") else ">= ") + f"{r['target']:g}"
         verdict = {None: "", True: "met", False: "NOT MET"}[r["pass"]]
         lines.append(f"{r['label']:<62} {value:>8} {target:>8}  {verdict}")
@@ -318,7 +318,7 @@ def plot(doc: dict, png: Path) -> None:
     convert = [(r["name"], r["mb_per_s"]) for k, r in rows.items()
                if r.get("seconds") and r.get("ok") and (k in ("copy", "pack") or k.endswith("_convert"))]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8), height_ratios=[max(1, len(epochs)), max(1, len(convert))])
-    for ax, data, xlabel in ((ax1, epochs, "files/s (log)"), (ax2, convert, "MB/s")):
+    for ax, data, xlabel in ((ax1, epochs, "files/s"), (ax2, convert, "MB/s")):
         names = [n for n, _ in data][::-1]
         values = [v for _, v in data][::-1]
         colors = ["tab:blue" if ("cachefs" in n) else "tab:gray" for n in names]
@@ -327,10 +327,10 @@ def plot(doc: dict, png: Path) -> None:
             ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
         ax.set_xlabel(xlabel)
         ax.tick_params(axis="y", labelsize=8)
-    ax1.set_xscale("log")
     ax1.set_title("Epochs (one pass over the files)", fontsize=10)
     ax2.set_title("Packing / converting the same files", fontsize=10)
-    fig.suptitle(doc["header"][:160], fontsize=8)
+    import textwrap
+    fig.suptitle("\n".join(textwrap.wrap(doc["header"], 150)), fontsize=8)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)

@@ -202,6 +202,10 @@ def s3torch_sample(item) -> tuple[str, bytes]:
 
 
 # ---- the epoch -----------------------------------------------------------------------------------
+def _raw(path, data) -> tuple[str, bytes]:
+    return str(path), data if isinstance(data, bytes) else bytes(data)
+
+
 def epoch(job: dict, peer: str, dataset) -> dict:
     import torch
     from torch.utils.data import DataLoader
@@ -212,11 +216,12 @@ def epoch(job: dict, peer: str, dataset) -> dict:
     kwargs = {"shuffle": True, "generator": torch.Generator().manual_seed(job["seed"])} if map_style else {}
     # fork, the Linux default, as in the cachefs rows (LitData's optimize() sets the global start method
     # to spawn for its own workers; the epoch must not inherit that)
+    # collate_fn: each peer's sample as (path, bytes) in the worker. The default (default_convert) would
+    # turn a memoryview (LitData's bytes) into a list of 110,000 ints, one per byte.
     loader = DataLoader(dataset, batch_size=None, num_workers=job["workers"], multiprocessing_context="fork",
-                        **kwargs)
+                        collate_fn=lambda item: _raw(*sample(item)), **kwargs)
     seen, files, nbytes, bad = set(), 0, 0, 0
-    for item in loader:
-        path, data = sample(item)
+    for path, data in loader:
         path = path.removeprefix(prefix)
         files += 1
         nbytes += len(data)
