@@ -204,6 +204,10 @@ class Bench:
             self.extra[f"peer_{peer}"] = out
             label = packed_rows.PEER_LABELS[peer]
             version = out.get("version", "?")
+            if out.get("convert_s") is not None:
+                conv = Tally(files=len(self.entries), bytes=total)
+                self.record(f"{peer}_convert", Result(f"{label} {version}, converter", out["convert_s"], conv),
+                            version=version, note="local files -> S3")
             if "error" in out:
                 self.record(f"{peer}_epoch", name=f"{label} {version}, first epoch", ok=False,
                             error=out["error"], version=version)
@@ -211,10 +215,6 @@ class Bench:
             tally = Tally(files=out["files"], bytes=out["bytes"], bad_size=out["bad_size"])
             if out["missing"]:
                 tally.error(f"{out['missing']} files never yielded")
-            if out.get("convert_s") is not None:
-                conv = Tally(files=len(self.entries), bytes=total)
-                self.record(f"{peer}_convert", Result(f"{label} {version}, converter", out["convert_s"], conv),
-                            version=version, note="local files -> S3")
             self.record(f"{peer}_epoch", Result(f"{label} {version}, first epoch, {self.args.workers} workers",
                                                 out["epoch_s"], tally), version=version)
 

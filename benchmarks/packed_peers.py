@@ -1,12 +1,13 @@
 """The peers of the packed benchmark, each run in its own virtualenv (``bench_packed.py --setup``).
 
-    PEER_VENV/bin/python -m benchmarks.packed_peers PEER JOB.json
+    PEER_VENV/bin/python -m benchmarks.packed_peers PEER convert JOB.json
+    PEER_VENV/bin/python -m benchmarks.packed_peers PEER epoch JOB.json
 
 Runs one peer's converter on the local copy of the dataset (its documented way in: a loop over
 the files writing into the peer's writer, the output going to the S3 server), then its first
-epoch with ``workers`` DataLoader workers (raw bytes, no decode), from a fresh local cache. Prints
-one JSON line: version, converter seconds, epoch seconds, files, bytes, size mismatches, missing
-paths. Imports only the standard library, torch, boto3 and the peer, none of cachefs.
+epoch with ``workers`` DataLoader workers (raw bytes, no decode), from a fresh local cache, in a
+second process. Each prints one JSON line: version and converter seconds, or epoch seconds, files,
+bytes, size mismatches, missing paths. Imports only the standard library, torch, boto3 and the peer, none of cachefs.
 
 JOB.json: {"endpoint_url", "bucket", "src_prefix", "dst_prefix", "root", "files": [[path, size], ...],
 "workers", "seed", "scratch"}; ``endpoint_url`` is the latency proxy: the converters' uploads and
@@ -230,14 +231,18 @@ def epoch(job: dict, peer: str, dataset) -> dict:
     return {"files": files, "bytes": nbytes, "bad_size": bad, "missing": len(sizes.keys() - seen)}
 
 
-def run(peer: str, job: dict) -> dict:
+def run(peer: str, job: dict, step: str) -> dict:
+    """``step`` "convert" or "epoch": each in a process of its own (a user converts once, then trains
+    in a new process; LitData's obstore runtime is not fork-safe once a process has used it)."""
     os.environ["S3_ENDPOINT_URL"] = job["endpoint_url"]   # MDS reads its endpoint from here
     os.environ.setdefault("DISABLE_S5CMD", "1")
     os.environ.setdefault("AWS_ALLOW_HTTP", "true")               # LitData's obstore path: http endpoint
     out = {"peer": peer, "version": version(peer)}
-    start = time.monotonic()
-    globals()[f"{peer}_convert"](job)
-    out["convert_s"] = None if peer == "s3torch" else round(time.monotonic() - start, 3)
+    if step == "convert":
+        start = time.monotonic()
+        globals()[f"{peer}_convert"](job)
+        out["convert_s"] = None if peer == "s3torch" else round(time.monotonic() - start, 3)
+        return out
     cache = Path(tempfile.mkdtemp(prefix=f"{peer}-cache-", dir=job["scratch"]))
     try:
         start = time.monotonic()
@@ -250,12 +255,12 @@ def run(peer: str, job: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    peer, job_file = argv
-    if peer not in PEERS:
-        print(f"packed_peers: unknown peer {peer!r} (one of {', '.join(PEERS)})", file=sys.stderr)
+    peer, step, job_file = argv
+    if peer not in PEERS or step not in ("convert", "epoch"):
+        print(f"packed_peers: usage: PEER ({', '.join(PEERS)}) convert|epoch JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(job_file).read_text())
-    print(json.dumps(run(peer, job)), flush=True)
+    print(json.dumps(run(peer, job, step)), flush=True)
     return 0
 
 

@@ -196,15 +196,18 @@ def run_peer(peer: str, job: dict, scratch: Path, timeout: float = 1800.0) -> di
     job_file.write_text(json.dumps({**job, "scratch": str(scratch)}))
     if not peer_ready(peer):
         return {"peer": peer, "error": "not installed: python -m benchmarks.bench_packed --setup"}
-    try:
-        result = subprocess.run([str(peer_python(peer)), "-m", "benchmarks.packed_peers", peer,
-                                 str(job_file)], cwd=REPO, capture_output=True, text=True,
-                                timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                                check=False)
-    except subprocess.TimeoutExpired:
-        return {"peer": peer, "error": f"timed out after {timeout:.0f} s"}
-    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
-    if result.returncode != 0 or not lines:
-        return {"peer": peer, "error": (result.stderr.strip().splitlines() or ["failed"])[-1][-300:],
-                "stderr": result.stderr[-4000:]}
-    return json.loads(lines[-1])
+    out: dict = {}
+    for step in ("convert", "epoch"):
+        try:
+            result = subprocess.run([str(peer_python(peer)), "-m", "benchmarks.packed_peers", peer, step,
+                                     str(job_file)], cwd=REPO, capture_output=True, text=True,
+                                    timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                                    check=False)
+        except subprocess.TimeoutExpired:
+            return {**out, "peer": peer, "error": f"{step} timed out after {timeout:.0f} s"}
+        lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
+        if result.returncode != 0 or not lines:
+            return {**out, "peer": peer, "error": f"{step}: " + (result.stderr.strip().splitlines() or ["failed"])[-1][-300:],
+                    "stderr": result.stderr[-4000:]}
+        out.update(json.loads(lines[-1]))
+    return out

@@ -17,6 +17,7 @@ from benchmarks.cachefs_mount import CachefsMount
 from benchmarks.dataset import Entry
 from benchmarks.latency_proxy import LatencyProxy
 from cachefs.data import PackedIterableDataset
+from cachefs.demo.local_s3 import make_bucket
 
 MiB = 1 << 20
 
@@ -35,9 +36,21 @@ def put_files(client, bucket: str, prefix: str, n: int = 30) -> list[Entry]:
     return entries
 
 
-def test_copy_and_pack_rows_count_what_they_moved(s3_server, bucket):
+@pytest.fixture(scope="module")
+def packed(s3_server):
+    """40 files in s3://BUCKET/src, packed once into s3://BUCKET/packed (1 MiB shards); the pack run."""
+    bucket = "bench-packed-harness"
+    make_bucket(s3_server.endpoint_url, bucket)
     client = client_for(s3_server.endpoint_url)
-    entries = put_files(client, bucket, "src")
+    entries = put_files(client, bucket, "src", n=40)
+    run = packed_rows.pack_run(f"s3://{bucket}/src", f"s3://{bucket}/packed", s3_server.endpoint_url, 4, "1M",
+                               dict(os.environ))
+    assert run["returncode"] == 0, run["stderr"]
+    return bucket, client, entries, run
+
+
+def test_copy_and_pack_rows_count_what_they_moved(packed):
+    bucket, client, entries, run = packed
     total = sum(e.size for e in entries)
 
     copy = packed_rows.boto3_copy("copy", client, bucket, "src", "copy", entries, threads=4)
@@ -46,9 +59,6 @@ def test_copy_and_pack_rows_count_what_they_moved(s3_server, bucket):
         assert (client.get_object(Bucket=bucket, Key=f"copy/{e.path}")["Body"].read()
                 == client.get_object(Bucket=bucket, Key=f"src/{e.path}")["Body"].read())
 
-    run = packed_rows.pack_run(f"s3://{bucket}/src", f"s3://{bucket}/packed", s3_server.endpoint_url, 4, "1M",
-                               dict(os.environ))
-    assert run["returncode"] == 0, run["stderr"]
     summary = run["summary"]
     assert (summary["total_files"], summary["total_bytes"]) == (len(entries), total)
     shards = client.list_objects_v2(Bucket=bucket, Prefix="packed/shards/")["Contents"]
@@ -84,11 +94,8 @@ def test_loader_epoch_counts_every_file_once_and_flags_wrong_sizes(tmp_path):
 
 
 @pytest.mark.fuse
-def test_a_mount_rows_get_count_is_the_gets_the_server_got(s3_server, bucket, tmp_path):
-    client = client_for(s3_server.endpoint_url)
-    entries = put_files(client, bucket, "src", n=40)
-    assert packed_rows.pack_run(f"s3://{bucket}/src", f"s3://{bucket}/packed", s3_server.endpoint_url, 4, "1M",
-                                dict(os.environ))["returncode"] == 0
+def test_a_mount_rows_get_count_is_the_gets_the_server_got(s3_server, packed, tmp_path):
+    bucket, _, entries, _ = packed
     host, port = s3_server.endpoint_url.removeprefix("http://").split(":")
     with LatencyProxy(host, int(port), latency=0.0) as proxy, \
             CachefsMount(f"s3://{bucket}/packed", tmp_path / "mnt", endpoint_url=proxy.endpoint_url,
