@@ -13,6 +13,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -28,7 +29,6 @@ from cachefs.metrics import Exporter, Metrics
 from cachefs.namespace.packed import PackedView, open_packed
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
-from cachefs.packfmt import Manifest, PackedIndex
 from cachefs.store import ObjectStore, open_store
 from cachefs.tiers.cache import Tiers
 from cachefs.tiers.disk import DiskTier
@@ -36,6 +36,9 @@ from cachefs.tiers.hedge import HedgePolicy, Hedger
 from cachefs.tiers.memory import MemoryTier
 from cachefs.warm.engine import Warmer
 from cachefs.writeback.engine import Writeback, make_writeback
+
+if TYPE_CHECKING:
+    from cachefs.packfmt import Manifest, PackedIndex
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ class Daemon:
     """The parts of one mount, built in order; ``status()`` feeds the control file."""
 
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: Metrics,
-                 packed: tuple[Manifest, PackedIndex] | None = None) -> None:
+                 packed: tuple["Manifest", "PackedIndex"] | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.metrics = metrics

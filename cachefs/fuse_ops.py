@@ -96,7 +96,7 @@ class Operations(pyfuse3.Operations):
             attr.st_mode = stat.S_IFDIR | self.dir_mode
             attr.st_nlink = 2
         else:
-            attr.st_mode = stat.S_IFREG | self.file_mode
+            attr.st_mode = stat.S_IFREG | (stat.S_IMODE(node.mode) if node.mode is not None else self.file_mode)
             attr.st_nlink = 1
             attr.st_size = node.size
             attr.st_blocks = (node.size + 511) // 512

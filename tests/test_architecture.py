@@ -113,3 +113,12 @@ def test_control_clients_load_no_daemon_stack():
             "print(sorted(m for m in ('trio', 'pyfuse3', 'boto3', 'botocore') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_daemon_loads_no_packer_dependencies():
+    """pyarrow and numpy come with the `packer` extra, not with the core: a plain mount (the daemon,
+    the CLI) must start without them; only a packed dataset's mount loads them, when it finds one."""
+    code = ("import sys, cachefs.cli, cachefs.daemon, cachefs.launcher; "
+            "print(sorted(m for m in ('pyarrow', 'numpy', 'crc32c') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -171,6 +171,21 @@ def test_warmup_fetches_whole_shards_then_reads_come_from_the_cache(s3_server, p
     mnt.umount()
 
 
+def test_modes_come_from_the_index(s3_server, bucket, mount_factory, tmp_path):
+    src = tmp_path / "src"
+    (src / "bin").mkdir(parents=True)
+    (src / "bin/run.sh").write_bytes(b"#!/bin/sh\n")
+    (src / "bin/run.sh").chmod(0o750)
+    (src / "data.txt").write_bytes(b"x")
+    (src / "data.txt").chmod(0o640)
+    assert main(["pack", "--quiet", str(src), f"s3://{bucket}/packed", "--endpoint-url", s3_server.endpoint_url]) == 0
+    mnt = mount_factory(f"s3://{bucket}/packed", "--endpoint-url", s3_server.endpoint_url).start()
+    assert os.stat(mnt / "bin/run.sh").st_mode == 0o100750
+    assert os.stat(mnt / "data.txt").st_mode == 0o100640
+    assert os.stat(mnt / "bin").st_mode & 0o170000 == 0o040000
+    mnt.umount()
+
+
 def test_a_foreign_manifest_json_is_just_a_file(s3_server, bucket, mount_factory):
     client = s3_client(s3_server.endpoint_url)
     files = {"manifest.json": b'{"images": 3}', "shards/a.txt": b"not a shard", "x.txt": b"x"}

@@ -19,24 +19,26 @@ import errno
 import json
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from cachefs.errors import AccessDenied, CachefsError, NoSuchKey
+from cachefs.errors import AccessDenied, CachefsError, ConfigError, NoSuchKey
 from cachefs.metrics import Metrics
 from cachefs.namespace.nodes import FsError
-from cachefs.packfmt import MANIFEST, Manifest, PackedIndex, open_index, shard_path
 from cachefs.packfmt.errors import CorruptRecord
-from cachefs.packfmt.manifest import FORMAT
+from cachefs.packfmt.manifest import FORMAT, MANIFEST, Manifest
 from cachefs.packfmt.store_index import PACKED_DIR
-from cachefs.packfmt.tfrecord import crc32c
 from cachefs.store import Listing, ObjectInfo, ObjectStore
 from cachefs.tiers.cache import PRELOAD_MAX, FileVersion, Stream, Tiers
+
+if TYPE_CHECKING:
+    from cachefs.packfmt.index import PackedIndex
 
 log = logging.getLogger(__name__)
 
 VERIFY_WHOLE_MAX = 8 << 20        # larger files are verified as they are read in order
 
 
-def open_packed(store: ObjectStore) -> tuple[Manifest, PackedIndex] | None:
+def open_packed(store: ObjectStore) -> tuple[Manifest, "PackedIndex"] | None:
     """The manifest and index when the store's root is a packed dataset, else None (a dataset's
     own ``manifest.json`` that is not ours is just a file). Once the manifest says it is ours, an
     unknown version (UnknownVersion, exit 24) or a corrupt index (CorruptIndex, exit 23) raises."""
@@ -47,7 +49,18 @@ def open_packed(store: ObjectStore) -> tuple[Manifest, PackedIndex] | None:
     if not _claims_pack(store.get(MANIFEST, 0, info.size, info.etag, info.size)):
         log.info("%s is not a cachefs pack manifest: mounting the prefix as it is", MANIFEST)
         return None
+    try:       # the index needs pyarrow, numpy and crc32c: the `packer` extra, loaded only now
+        from cachefs.packfmt.store_index import open_index
+        from cachefs.packfmt.tfrecord import crc32c  # noqa: F401 (present, or the mount is refused here)
+    except ImportError as exc:
+        raise ConfigError(f"this prefix is a packed dataset ({MANIFEST}); mounting it needs the packer extra: "
+                          f"pip install 'cachefs[packer]' ({exc})") from None
     return open_index(store)
+
+
+def _crc32c(data, value: int = 0) -> int:
+    from cachefs.packfmt.tfrecord import crc32c  # loaded by open_packed (the packer extra)
+    return crc32c(data, value)
 
 
 def _claims_pack(data: bytes) -> bool:
@@ -83,13 +96,14 @@ def _store_path(path: str) -> str:
 class PackedView:
     """The namespace (a ``DirSource``) and the read path of one packed dataset."""
 
-    def __init__(self, store: ObjectStore, manifest: Manifest, index: PackedIndex, tiers: Tiers,
+    def __init__(self, store: ObjectStore, manifest: Manifest, index: "PackedIndex", tiers: Tiers,
                  metrics: Metrics) -> None:
         self.store = store
         self.manifest = manifest
         self.index = index
         self.tiers = tiers
         self.crc_errors = metrics.packed_crc_errors
+        from cachefs.packfmt.index import shard_path
         shards = index.shards.select(["shard", "etag", "bytes"]).to_pylist()
         self._shards = [FileVersion(shard_path(s["shard"]), s["etag"], s["bytes"]) for s in shards]
         self._streams: dict[str, Stream] = {}
@@ -185,11 +199,11 @@ class PackedView:
     async def _whole(self, ref: PackedRef) -> bytes:
         """The whole file, checked against its crc; refetched once from the store on a mismatch."""
         data = await self._range(ref, 0, ref.size)
-        if crc32c(data) == ref.crc:
+        if _crc32c(data) == ref.crc:
             return data
         self._corrupt(ref)
         data = await self._range(ref, 0, ref.size)
-        if crc32c(data) == ref.crc:
+        if _crc32c(data) == ref.crc:
             log.info("%s: crc32c mismatch at offset %d; the refetched bytes are right", ref.file.path, ref.offset)
             return data
         self.evict(ref)
@@ -199,7 +213,7 @@ class PackedView:
     def _stream_check(self, ref: PackedRef, offset: int, end: int, data: bytes) -> None:
         if not offset <= ref.stream_end < end:
             return
-        ref.stream_crc = crc32c(memoryview(data)[ref.stream_end - offset:], ref.stream_crc)
+        ref.stream_crc = _crc32c(memoryview(data)[ref.stream_end - offset:], ref.stream_crc)
         ref.stream_end = end
         if end < ref.size:
             return

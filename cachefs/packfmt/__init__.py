@@ -22,9 +22,20 @@ from cachefs.packfmt.errors import (
     SourceChanged,
     UnknownVersion,
 )
-from cachefs.packfmt.index import FILES_SCHEMA, SHARDS_SCHEMA, Entry, PackedIndex, shard_name, shard_path
 from cachefs.packfmt.manifest import MANIFEST, Manifest, is_packed, read_manifest, write_manifest
-from cachefs.packfmt.store_index import open_index
+
+# The index needs pyarrow and numpy (the `packer` extra, not core dependencies): its names load on
+# first use, so a plain mount (which only asks "is there a manifest?") never imports them.
+_LAZY = {"FILES_SCHEMA": "index", "SHARDS_SCHEMA": "index", "Entry": "index", "PackedIndex": "index",
+         "shard_name": "index", "shard_path": "index", "open_index": "store_index"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
 
 __all__ = ["BadName", "CorruptIndex", "CorruptRecord", "Entry", "FILES_SCHEMA", "Incomplete", "MANIFEST",
            "Manifest", "PackExit", "PackFormatError", "PackedIndex", "SHARDS_SCHEMA", "SourceChanged",

@@ -2,12 +2,15 @@
 (the loader)."""
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cachefs.errors import NoSuchKey
 from cachefs.packfmt.errors import CorruptIndex
-from cachefs.packfmt.index import PackedIndex
 from cachefs.packfmt.manifest import MANIFEST, Manifest, read_manifest
 from cachefs.store.base import ObjectStore
+
+if TYPE_CHECKING:
+    from cachefs.packfmt.index import PackedIndex
 
 PACKED_DIR = ".cachefs-packed"   # where a cachefs mount of a packed dataset shows its layout
 
@@ -17,7 +20,7 @@ def read_object(store: ObjectStore, path: str) -> bytes:
     return store.get(path, 0, info.size, info.etag, info.size)
 
 
-def open_index(store: ObjectStore) -> tuple[Manifest, PackedIndex]:
+def open_index(store: ObjectStore) -> tuple[Manifest, "PackedIndex"]:
     """The manifest and validated index of the packed dataset at the store's root."""
     manifest = read_manifest(store)
     if manifest is None:
@@ -26,6 +29,7 @@ def open_index(store: ObjectStore) -> tuple[Manifest, PackedIndex]:
         files, shards = read_object(store, manifest.index_files), read_object(store, manifest.index_shards)
     except NoSuchKey as exc:
         raise CorruptIndex(f"the manifest names an index file that is missing: {exc}") from exc
+    from cachefs.packfmt.index import PackedIndex  # pyarrow: only once a packed dataset is found
     return manifest, PackedIndex.from_parquet(files, shards)
 
 
@@ -38,7 +42,7 @@ def local_root(root: str | Path) -> Path:
     return root
 
 
-def open_local_index(root: str | Path) -> tuple[Manifest, PackedIndex]:
+def open_local_index(root: str | Path) -> tuple[Manifest, "PackedIndex"]:
     """The same from a directory (a local copy or a cachefs mount of the packed dataset)."""
     root = local_root(root)
     try:
@@ -46,4 +50,5 @@ def open_local_index(root: str | Path) -> tuple[Manifest, PackedIndex]:
         files, shards = (root / manifest.index_files).read_bytes(), (root / manifest.index_shards).read_bytes()
     except FileNotFoundError as exc:
         raise NoSuchKey(f"{exc.filename}: missing: not a complete packed dataset") from exc
+    from cachefs.packfmt.index import PackedIndex  # pyarrow: only once a packed dataset is found
     return manifest, PackedIndex.from_parquet(files, shards)
