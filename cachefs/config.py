@@ -276,12 +276,18 @@ def load_toml(path: str) -> dict:
     return values
 
 
+def _shown(name: str) -> str:
+    """A name from a config file as one short printable line (repr when it holds control characters)."""
+    shown = name if name.isprintable() else repr(name)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 def build_config(values: dict) -> MountConfig:
     """Build a MountConfig from raw values (TOML merged with flags), validating each."""
     known = {f.name: f for f in dataclasses.fields(MountConfig)}
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
+        raise ConfigError(f"unknown option(s): {', '.join(map(_shown, unknown))}")
     for name in ("url", "mountpoint"):
         if not values.get(name):
             raise ConfigError(f"missing {name}")

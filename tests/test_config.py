@@ -128,6 +128,11 @@ def test_unknown_toml_key(tmp_path):
         "unknown option(s): bogus_option, zeta"
 
 
+def test_unknown_key_with_a_newline_is_shown_on_one_line(tmp_path):
+    assert config_error(tmp_path, '"a\\nb" = 1\n"' + "x" * 100 + '" = 2\n') == \
+        "unknown option(s): 'a\\nb', " + "x" * 77 + "..."
+
+
 @pytest.mark.parametrize("toml, words", [
     ('metadata_ttl = "soon"', ["metadata_ttl", "float", "'soon'"]),
     ('immutable = "maybe"', ["immutable", "bool"]),
