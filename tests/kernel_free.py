@@ -1,4 +1,4 @@
-"""The write path without a kernel: ``Vfs`` + ``Writeback`` + ``BlockCache`` over a store and a
+"""The write path without a kernel: ``Vfs`` + ``Writeback`` + ``Tiers`` over a store and a
 staging dir, and a POSIX-like driver that does what the kernel does before it calls the
 filesystem (path walk, the type and ancestry checks of rename/unlink/rmdir, open-or-create)
 and maps errors as ``fuse_ops`` does. ``Portal`` runs the stack's trio loop in a thread so a

@@ -1,4 +1,4 @@
-"""The namespace without a kernel (DESIGN §5 layer 3): Vfs over a BlockCache and a counted
+"""The namespace without a kernel (DESIGN §5 layer 3): Vfs over the Tiers and a counted
 in-memory store, inside ``trio.run``: listings, snapshots, TTLs, lookup counts, version pinning."""
 
 import errno

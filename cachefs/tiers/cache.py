@@ -338,6 +338,3 @@ class Tiers:
         if self._hedger is not None:
             out["hedge"] = self._hedger.stats()
         return out
-
-
-BlockCache = Tiers      # the name the namespace still imports (cachefs/namespace/vfs.py)
