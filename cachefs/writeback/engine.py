@@ -25,6 +25,7 @@ the new ETag). Failing uploads stay staged, back off (up to 60 s) and retry fore
 counted in the metrics and shown by ``cachefs status``.
 """
 
+import dataclasses
 import errno
 import logging
 import os
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import trio
+from prometheus_client import Counter
 
 from cachefs.errors import CacheDirError, StoreError
 from cachefs.metrics import Metrics, WritebackMetrics
@@ -50,6 +52,7 @@ from cachefs.writeback.staged import (
     UploadJob,
     Waiter,
     earliest,
+    pwrite_all,
 )
 from cachefs.writeback.uploader import Uploader
 
@@ -91,6 +94,8 @@ class Writeback:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._m = WritebackMetrics(metrics)
+        self._kept_aside = Counter("cachefs_staged_kept_aside", "Staged files a start did not trust (lost "
+                                   "unsynced pages), in staging/lost+found", registry=metrics.registry)
 
     @property
     def part_size(self) -> int:
@@ -112,7 +117,8 @@ class Writeback:
     # ---- life cycle --------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Replay the journal, then schedule uploads until cancelled."""
-        records = await trio.to_thread.run_sync(self.journal.replay)
+        records = await trio.to_thread.run_sync(self.journal.replay)     # notes this run's identity
+        self._kept_aside.inc(self.journal.lost_found)
         orphans = await trio.to_thread.run_sync(self.journal.open_uploads)
         self._restore(records)
         async with trio.open_nursery() as nursery:
@@ -206,6 +212,7 @@ class Writeback:
         except Superseded:
             self._m.uploads.labels(job.cls, "superseded").inc()
             entry.dirty_since = earliest(job.dirty_since, entry.dirty_since)
+            entry.urgent = entry.urgent or job.urgent
         except (StoreError, OSError) as exc:
             self._failed(entry, job, exc)
         else:
@@ -248,7 +255,8 @@ class Writeback:
         entry.deleted = True
         self.on_retired(entry, info)
         fd, entry.fd = entry.fd, -1
-        await self._guard.forget(entry.id, fd)
+        async with entry.record_lock:
+            await self._guard.forget(entry.id, fd)
 
     # ---- pending operations (tombstones, directory markers) -------------------------------------
     async def _run_op(self, op: PendingOp) -> None:
@@ -321,7 +329,7 @@ class Writeback:
         self._guard.check()
         seq = self.journal.next_seq()
         fd = self.journal.create_data(seq)
-        return StagedFile(Record(seq, seq, FILE, path, time.time()), fd, 0, time.time(), remote=remote)
+        return StagedFile(Record(seq, seq, FILE, path, time.time(), sealed=0), fd, 0, time.time(), remote=remote)
 
     async def _register(self, entry: StagedFile) -> None:
         """Journal ``entry`` and make it the file at its path (replacing any staged one)."""
@@ -361,7 +369,7 @@ class Writeback:
                 end = min(size, start + _COPY_CHUNK)
                 data = await self.store.get_async(path, start, end, etag, size,
                                                   limiter=self._uploader.limiters[LOG])
-                os.pwrite(entry.fd, data, start)
+                pwrite_all(entry.fd, data, start)     # a full disk writes short before ENOSPC
             # durable before its record: a power cut (or a cache dir failing) must not leave a
             # record naming a copy whose pages were lost, which replay would upload over the object
             await trio.to_thread.run_sync(self.journal.sync_data, entry.fd, limiter=self._io)
@@ -370,6 +378,7 @@ class Writeback:
             self.journal.remove_data(entry.id)
             raise
         entry.size = size
+        entry.record = dataclasses.replace(entry.record, sealed=size)
         entry.dirty_since = entry.unsynced_since = None    # the store has this content
         entry.generation = entry.synced = 1
         await self._register(entry)
@@ -381,6 +390,8 @@ class Writeback:
 
     async def write(self, entry: StagedFile, offset: int, data: bytes) -> int:
         self._guard.check()
+        if not data:
+            return 0        # changes nothing (a size past EOF would exceed the staging file's)
         await self.reserve(entry, offset + len(data))
         try:
             written = os.pwrite(entry.fd, data, offset)
@@ -395,7 +406,10 @@ class Writeback:
 
     async def truncate(self, entry: StagedFile, size: int) -> None:
         self._guard.check()
+        entry.truncations += 1
         await self.reserve(entry, size)
+        if entry.record.sealed is not None and size < entry.record.sealed:
+            await self._seal(entry, size)     # before the cut: a lost regrowth must not pass for sealed
         os.ftruncate(entry.fd, size)
         self._resize(entry, size)
         entry.touch(size, time.time())
@@ -457,11 +471,14 @@ class Writeback:
             await self._retire(entry, info)
 
     async def fsync(self, entry: StagedFile, *, remote: bool) -> None:
+        size, truncations = entry.size, entry.truncations
         fd = os.dup(entry.fd)
         try:
             await trio.to_thread.run_sync(self.journal.sync_data, fd, limiter=self._io)
         finally:
             os.close(fd)
+        if entry.truncations == truncations and entry.record.sealed != size:
+            await self._seal(entry, size)
         if remote and entry.synced < entry.generation:
             waiter = Waiter(entry.generation)
             entry.waiters.append(waiter)
@@ -470,6 +487,14 @@ class Writeback:
             await waiter.event.wait()
             if waiter.error is not None:
                 raise OSError(errno.EIO, f"upload failed (the file stays staged): {waiter.error}")
+
+    async def _seal(self, entry: StagedFile, size: int) -> None:
+        """Journal that ``[0, size)`` of ``entry``'s staging file is durable (journal step 4)."""
+        async with entry.record_lock:
+            if entry.deleted:
+                return
+            entry.record = dataclasses.replace(entry.record, sealed=size)
+            await self._guard.write_record(entry.record)
 
     async def unlink(self, entry: StagedFile) -> None:
         """The staged file's name is gone: journal a tombstone if an object may exist, drop the rest."""
@@ -490,7 +515,8 @@ class Writeback:
         fd = -1
         if entry.opens <= 0:
             fd, entry.fd = entry.fd, -1
-        await self._guard.forget(entry.id, fd)
+        async with entry.record_lock:     # no seal write resurrects the record
+            await self._guard.forget(entry.id, fd)
         self._notify()
 
     async def move(self, entry: StagedFile, new_path: str, *, replaces_object: bool) -> None:
@@ -504,12 +530,13 @@ class Writeback:
         self._files.pop(old_path, None)
         self.cancel_delete(new_path)
         seq = self.journal.next_seq()
-        entry.record = Record(entry.id, seq, FILE, new_path, entry.record.created)
+        entry.record = Record(entry.id, seq, FILE, new_path, entry.record.created, entry.record.sealed)
         self._files[new_path] = entry
         entry.remote = replaces_object
         entry.synced = 0
         entry.touch(0, time.time())
-        await self._guard.write_record(entry.record)
+        async with entry.record_lock:
+            await self._guard.write_record(entry.record)
         if had_object:
             await self.delete(old_path)
         self.wake()

@@ -3,7 +3,11 @@
 On-disk format (``STAGING = CACHE_DIR/staging`` unless ``staging_dir`` says otherwise)::
 
     STAGING/data/<id>            a staged file's whole content, written in place by the daemon
-    STAGING/records/<id>.json    one record, {"v": 1, "id", "seq", "kind", "path", "created"}
+    STAGING/records/<id>.json    one record, {"v": 1, "id", "seq", "kind", "path", "created"} and,
+                                 for a ``file``, "sealed": the bytes of ``data/<id>`` known durable
+    STAGING/run.json             the boot and mount instance of the staging filesystem the last
+                                 daemon ran on (``run_identity``)
+    STAGING/lost+found/          staging files a start could not trust, kept for a human
     STAGING/records/*.tmp        a record being written (deleted at start)
     STAGING/uploads/<id>.json    an open multipart upload, {"v": 1, "path", "upload_id"}: written
                                  before its first part, removed once it is completed or aborted
@@ -32,6 +36,13 @@ Who writes what, in order, and the crash state each step can leave (repair at th
    stays until the user deletes it (no data loss).
 4. Unlink: a ``delete`` record (when an object may exist), then the ``file`` record and the data
    file are removed. Crash in between: two records for one path, the newer ``delete`` wins.
+   ``sealed`` (the size at the last fsync, or of a fsynced copy-up) is rewritten after each fsync
+   that changed the size, and lowered *before* a truncate below it. After an unclean stop that may
+   have dropped unsynced pages (another boot, or the staging filesystem mounted again: an ext4
+   emergency read-only, a power cut), replay trusts only ``[0, sealed)``: a longer staging file is
+   copied to ``lost+found/`` and cut back to ``sealed``, a shorter one (fsynced data gone) is kept
+   there and its record dropped; after a plain SIGKILL (same boot, same mount: the page cache
+   survived) the whole file is what was written and is uploaded as is.
 5. Upload done (the object is complete and verified in the store): the ``file`` record is
    removed, then the data file. Crash in between: an orphan data file, deleted; crash before:
    the same content is uploaded again (idempotent).
@@ -49,10 +60,12 @@ functions from worker threads.
 """
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import re
+import struct
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger(__name__)
@@ -61,6 +74,7 @@ FORMAT_VERSION = 1
 FILE, DELETE, MKDIR, RMDIR = "file", "delete", "mkdir", "rmdir"
 _KINDS = (FILE, DELETE, MKDIR, RMDIR)
 _HEX = re.compile(r"[0-9a-f]{16}")
+_STATX_MNT_ID_UNIQUE = 0x4000
 
 
 @dataclass(slots=True)
@@ -70,10 +84,13 @@ class Record:
     kind: str
     path: str
     created: float
+    sealed: int | None = None     # a file's bytes known durable (None: a record of an older version)
 
     def to_json(self) -> bytes:
         data = asdict(self)
         data["id"], data["seq"] = f"{self.id:016x}", f"{self.seq:016x}"
+        if self.sealed is None:
+            del data["sealed"]
         return json.dumps({"v": FORMAT_VERSION, **data}).encode()
 
     @classmethod
@@ -87,12 +104,29 @@ class Record:
         if not (isinstance(ident, str) and isinstance(seq, str) and _valid_path(path)
                 and isinstance(created, int | float) and not isinstance(created, bool)):
             raise ValueError(f"malformed record: {raw[:200]!r}")
-        return cls(id=_hex(ident), seq=_hex(seq), kind=data["kind"], path=path, created=float(created))
+        sealed = data.get("sealed")
+        if sealed is not None and not (type(sealed) is int and sealed >= 0):
+            raise ValueError(f"malformed record: {raw[:200]!r}")
+        return cls(id=_hex(ident), seq=_hex(seq), kind=data["kind"], path=path, created=float(created),
+                   sealed=sealed)
 
     @property
     def slot(self) -> tuple[bool, str]:
         """What records compete for: (is a directory, path)."""
         return self.kind in (MKDIR, RMDIR), self.path
+
+
+def _unique_mount_id(path: str) -> int | None:
+    """statx's STATX_MNT_ID_UNIQUE (Linux 6.8+): never reused within a boot, unlike mountinfo's."""
+    buf = ctypes.create_string_buffer(256)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.statx(-100, os.fsencode(path), 0, _STATX_MNT_ID_UNIQUE, buf) != 0:
+            return None
+    except (AttributeError, OSError):
+        return None
+    mask, = struct.unpack_from("<I", buf, 0)
+    return struct.unpack_from("<Q", buf, 144)[0] if mask & _STATX_MNT_ID_UNIQUE else None
 
 
 def _hex(text: str) -> int:
@@ -120,6 +154,7 @@ class Journal:
         for path in (self.data_dir, self.records_dir, self.uploads_dir):
             os.makedirs(path, exist_ok=True)
         self._counter = 0
+        self.lost_found = 0           # staging files kept aside by replay (not trusted)
 
     def next_seq(self) -> int:
         self._counter += 1
@@ -217,9 +252,13 @@ class Journal:
             os.close(fd)
 
     # ---- start-up ------------------------------------------------------------------------------
-    def replay(self) -> list[Record]:
+    def replay(self, *, trusted: bool | None = None) -> list[Record]:
         """Repair the crash states listed in the module docstring; return the live records,
-        oldest first. Sets the counter past every id and seq seen."""
+        oldest first. Sets the counter past every id and seq seen. ``trusted``: the page cache
+        survived the last stop (else staging files are cut back to what was sealed, step 4);
+        None: it did if the last daemon ran on this boot and mount (``same_run_identity``)."""
+        if trusted is None:
+            trusted = self.same_run_identity()
         records = self._read_records()
         winners: dict[tuple[bool, str], Record] = {}
         for record in sorted(records, key=lambda r: r.seq):
@@ -231,6 +270,8 @@ class Journal:
                 self._drop(loser)
         live = sorted(winners.values(), key=lambda r: r.seq)
         live = [r for r in live if r.kind != FILE or self._has_data(r)]
+        if not trusted:
+            live = [r for r in live if r.kind != FILE or self._check_sealed(r)]
         self._remove_orphan_data({r.id for r in live if r.kind == FILE})
         return live
 
@@ -269,6 +310,82 @@ class Journal:
         log.error("journal: record of %r has no staging file; dropped", record.path)
         self.remove_record(record.id)
         return False
+
+    def _check_sealed(self, record: Record) -> bool:
+        """After a stop that may have dropped unsynced pages: keep ``[0, sealed)`` of the staging
+        file (what fsync made durable); anything else goes to ``lost+found/``. False: the record
+        is dropped (its fsynced data is gone)."""
+        if record.sealed is None:
+            return True
+        path = self.data_path(record.id)
+        size = os.path.getsize(path)
+        if size == record.sealed:
+            return True
+        self.lost_found += 1
+        try:
+            kept = self._keep_lost(path, record)
+        except OSError as exc:      # the cut goes on: what is not sealed is never uploaded
+            kept = f"nowhere (lost+found: {exc.strerror})"
+        if size > record.sealed:
+            log.warning("journal: %r was not fsynced since its last change (%d bytes, %d sealed) and the "
+                        "staging filesystem lost its page cache since: the unsealed bytes are not uploaded; the "
+                        "file is kept as %s", record.path, size, record.sealed, kept)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                os.ftruncate(fd, record.sealed)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return True
+        log.error("journal: %r holds %d bytes but %d were fsynced (the staging filesystem lost them); "
+                  "not uploaded, kept as %s", record.path, size, record.sealed, kept)
+        self.remove_record(record.id)
+        return False
+
+    def _keep_lost(self, path: str, record: Record) -> str:
+        lost = os.path.join(self.root, "lost+found")
+        os.makedirs(lost, exist_ok=True)
+        kept = os.path.join(lost, f"{record.id:016x}-" + record.path.replace("/", "%2F")[-150:])
+        with open(path, "rb") as src, open(kept, "wb") as dst:
+            while chunk := src.read(8 << 20):
+                dst.write(chunk)
+            dst.flush()
+            if self.fsync:
+                os.fsync(dst.fileno())
+        self._sync_dir(lost)
+        return kept
+
+    # ---- the run identity (is the page cache the last daemon wrote into still there?) -----------
+    def run_identity(self) -> dict | None:
+        """This boot and the mount instance of the staging filesystem (None: unknown)."""
+        mount = _unique_mount_id(self.root)
+        if mount is None:
+            return None
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as fh:
+                boot = fh.read().strip()
+        except OSError:
+            return None
+        return {"boot": boot, "mount": mount}
+
+    def same_run_identity(self) -> bool:
+        """Whether the last daemon ran on this boot and this mount of the staging filesystem (its
+        unsynced pages are still in the page cache); then note this daemon's identity."""
+        path = os.path.join(self.root, "run.json")
+        now = self.run_identity()
+        try:
+            with open(path, "rb") as fh:
+                before = json.loads(fh.read())
+        except FileNotFoundError:
+            before = None
+        except (OSError, ValueError):
+            before = {}
+        if now is not None and before != now:
+            try:
+                self._write_atomic(path, "0", json.dumps(now).encode())
+            except OSError as exc:
+                log.warning("journal: cannot note this run in %s: %s", path, exc.strerror)
+        return before is None or (now is not None and before == now)
 
     def _drop(self, record: Record) -> None:
         self.remove_record(record.id)

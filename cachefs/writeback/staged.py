@@ -27,7 +27,7 @@ class StagedFile:
 
     __slots__ = ("record", "fd", "size", "mtime", "generation", "synced", "dirty_since", "unsynced_since",
                  "last_write", "low_write", "writers", "opens", "remote", "ready", "urgent", "deleted",
-                 "uploading", "failures", "next_try", "last_error", "waiters")
+                 "uploading", "failures", "next_try", "last_error", "waiters", "truncations", "record_lock")
 
     def __init__(self, record: Record, fd: int, size: int, now: float, *, remote: bool) -> None:
         self.record = record
@@ -51,6 +51,8 @@ class StagedFile:
         self.next_try = 0.0
         self.last_error = ""
         self.waiters: list[Waiter] = []
+        self.truncations = 0
+        self.record_lock = trio.Lock()      # record rewrites (seal, rename) and removal, one at a time
 
     @property
     def path(self) -> str:
@@ -92,8 +94,13 @@ class StagedFile:
 
     def check(self, job: "UploadJob") -> None:
         """Raise Superseded unless ``job`` still describes this file's content."""
-        if job.cancelled or self.deleted or self.path != job.path or self.low_write < job.size:
+        if job.cancelled or self.changed(job):
             raise Superseded(job.path)
+
+    def changed(self, job: "UploadJob") -> bool:
+        """Changed below ``job.size`` (a write, a truncate: the staging file may now be shorter than
+        the job read), moved or deleted since ``job`` started."""
+        return self.deleted or self.path != job.path or self.low_write < job.size
 
     def wake_waiters(self, error: str | None, up_to: int | None = None) -> None:
         """Release remote-fsync waiters (all, or those of generations up to ``up_to``)."""
@@ -121,13 +128,14 @@ class Waiter:
 class UploadJob:
     """One upload of ``[0, size)`` of a staged file as it was at ``generation``."""
 
-    __slots__ = ("path", "size", "generation", "cls", "fd", "dirty_since", "unsynced_since", "cancelled")
+    __slots__ = ("path", "size", "generation", "cls", "fd", "dirty_since", "unsynced_since", "cancelled", "urgent")
 
     def __init__(self, entry: StagedFile, cls: str) -> None:
         self.path, self.size, self.generation, self.cls = entry.path, entry.size, entry.generation, cls
         self.fd = os.dup(entry.fd)
         self.dirty_since, self.unsynced_since = entry.dirty_since, entry.unsynced_since
         self.cancelled = False
+        self.urgent = entry.urgent       # a sync asked for it: a superseded upload is retried at once
 
 
 class PendingOp:
@@ -160,3 +168,11 @@ def pread_all(fd: int, size: int, offset: int = 0) -> bytes:
         parts.append(chunk)
         offset += len(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` (a nearly full disk writes short before it raises ENOSPC)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written

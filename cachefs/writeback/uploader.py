@@ -69,7 +69,11 @@ class Uploader:
 
     async def _put_whole(self, entry: StagedFile, job: UploadJob) -> ObjectInfo:
         limiter = self.limiters[job.cls]
-        data = await trio.to_thread.run_sync(pread_all, job.fd, job.size, limiter=limiter)
+        try:
+            data = await trio.to_thread.run_sync(pread_all, job.fd, job.size, limiter=limiter)
+        except OSError:
+            entry.check(job)        # cut short by a truncate: superseded, not a failure
+            raise
         entry.check(job)
         return await trio.to_thread.run_sync(self.store.put, job.path, data, limiter=limiter)
 
@@ -127,7 +131,8 @@ class Uploader:
                     entry.check(job)
                     etags[index] = await trio.to_thread.run_sync(send, index + 1)
             except (Superseded, StoreError, OSError) as exc:
-                errors.append(exc)
+                # a short read of a file truncated under the upload: superseded, not a failure
+                errors.append(Superseded(job.path) if isinstance(exc, OSError) and entry.changed(job) else exc)
                 job.cancelled = True
 
         async with trio.open_nursery() as nursery:
