@@ -489,7 +489,7 @@ class Writeback:
                 raise OSError(errno.EIO, f"upload failed (the file stays staged): {waiter.error}")
 
     async def _seal(self, entry: StagedFile, size: int) -> None:
-        """Journal that ``[0, size)`` of ``entry``'s staging file is durable (journal step 4)."""
+        """Journal that ``[0, size)`` of ``entry``'s staging file is durable (journal step 2)."""
         async with entry.record_lock:
             if entry.deleted:
                 return

@@ -31,18 +31,19 @@ Who writes what, in order, and the crash state each step can leave (repair at th
 2. Writes go to the data file with ``pwrite``; ``fsync`` of the file fsyncs it and its record
    (local durability). A SIGKILL loses nothing written (the page cache survives); a power cut
    loses what was written after the last fsync, as on a local disk.
-3. Rename: the record is rewritten with the new path and a new ``seq``, then a ``delete`` record
-   is written for the old path if an object may exist there. Crash in between: the old object
-   stays until the user deletes it (no data loss).
-4. Unlink: a ``delete`` record (when an object may exist), then the ``file`` record and the data
-   file are removed. Crash in between: two records for one path, the newer ``delete`` wins.
    ``sealed`` (the size at the last fsync, or of a fsynced copy-up) is rewritten after each fsync
    that changed the size, and lowered *before* a truncate below it. After an unclean stop that may
    have dropped unsynced pages (another boot, or the staging filesystem mounted again: an ext4
    emergency read-only, a power cut), replay trusts only ``[0, sealed)``: a longer staging file is
    copied to ``lost+found/`` and cut back to ``sealed``, a shorter one (fsynced data gone) is kept
    there and its record dropped; after a plain SIGKILL (same boot, same mount: the page cache
-   survived) the whole file is what was written and is uploaded as is.
+   survived) the whole file is what was written and is uploaded as is. "Same mount" is statx's
+   STATX_MNT_ID_UNIQUE (Linux 6.8+); where the kernel lacks it every start trusts the page cache.
+3. Rename: the record is rewritten with the new path and a new ``seq``, then a ``delete`` record
+   is written for the old path if an object may exist there. Crash in between: the old object
+   stays until the user deletes it (no data loss).
+4. Unlink: a ``delete`` record (when an object may exist), then the ``file`` record and the data
+   file are removed. Crash in between: two records for one path, the newer ``delete`` wins.
 5. Upload done (the object is complete and verified in the store): the ``file`` record is
    removed, then the data file. Crash in between: an orphan data file, deleted; crash before:
    the same content is uploaded again (idempotent).
@@ -255,7 +256,7 @@ class Journal:
     def replay(self, *, trusted: bool | None = None) -> list[Record]:
         """Repair the crash states listed in the module docstring; return the live records,
         oldest first. Sets the counter past every id and seq seen. ``trusted``: the page cache
-        survived the last stop (else staging files are cut back to what was sealed, step 4);
+        survived the last stop (else staging files are cut back to what was sealed, step 2);
         None: it did if the last daemon ran on this boot and mount (``same_run_identity``)."""
         if trusted is None:
             trusted = self.same_run_identity()
