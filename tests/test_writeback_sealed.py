@@ -11,6 +11,7 @@ campaign, cache dir turning read-only), and two ways a staged file's size outran
   write past the end does not grow the file (the kernel-free fuzz's "staging file shorter" loop).
 """
 
+import errno
 import json
 import os
 
@@ -207,5 +208,38 @@ def test_zero_length_write_past_the_end_does_not_grow_the_file(tmp_path):
                 assert await wb.wait_synced(None, 10), wb.pending()
         trio.run(main)
         assert stored(store, "a.log") == b""
+    finally:
+        bucket.remove()
+
+
+def test_a_seal_on_a_full_disk_fails_the_fsync_and_fences_nothing(tmp_path):
+    bucket = MemoryBucket()
+    bucket.put("other.bin", b"x")         # (an empty bucket cannot be removed)
+    staging = str(tmp_path / "staging")
+    try:
+        vfs, wb = make_stack(counted(bucket), staging)
+        real_write_record = wb.journal.write_record
+
+        def full_disk(record):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        async def main():
+            async with running(vfs, wb):
+                fs = Driver(vfs)
+                fh = await fs.call("open", "run.log", os.O_WRONLY | os.O_CREAT)
+                await fs.call("pwrite", fh, FSYNCED, 0)
+                wb.journal.write_record = full_disk
+                with pytest.raises(OSError) as info:
+                    await fs.call("fsync", fh)
+                assert info.value.errno == errno.ENOSPC      # not acknowledged
+                wb.journal.write_record = real_write_record
+                assert wb.status()["fenced"] is None          # writes go on
+                await fs.call("pwrite", fh, LATER, len(FSYNCED))
+                await fs.call("fsync", fh)
+                await fs.call("close", fh)
+        trio.run(main)
+        records = [json.loads(open(os.path.join(staging, "records", n)).read())
+                   for n in os.listdir(os.path.join(staging, "records"))]
+        assert [r["sealed"] for r in records] == [len(FSYNCED + LATER)]
     finally:
         bucket.remove()

@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable
 
 import trio
-from prometheus_client import Counter
 
 from cachefs.errors import CacheDirError, StoreError
 from cachefs.metrics import Metrics, WritebackMetrics
@@ -94,8 +93,6 @@ class Writeback:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._m = WritebackMetrics(metrics)
-        self._kept_aside = Counter("cachefs_staged_kept_aside", "Staged files a start did not trust (lost "
-                                   "unsynced pages), in staging/lost+found", registry=metrics.registry)
 
     @property
     def part_size(self) -> int:
@@ -118,7 +115,7 @@ class Writeback:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Replay the journal, then schedule uploads until cancelled."""
         records = await trio.to_thread.run_sync(self.journal.replay)     # notes this run's identity
-        self._kept_aside.inc(self.journal.lost_found)
+        self._guard.kept_aside.inc(self.journal.lost_found)
         orphans = await trio.to_thread.run_sync(self.journal.open_uploads)
         self._restore(records)
         async with trio.open_nursery() as nursery:
@@ -146,8 +143,7 @@ class Writeback:
                      len(self._files), self.staged_bytes, len(self._ops))
 
     def set_barrier(self, barrier: Callable[[], None]) -> None:
-        """``barrier`` (blocking) runs before each record removal: what the record covered is
-        made durable elsewhere first (the listing snapshot's rows, docs/writeback.md)."""
+        """``barrier`` (blocking) runs before each record removal (docs/writeback.md)."""
         self._guard.barrier = barrier
 
     def wake(self) -> None:
@@ -493,8 +489,12 @@ class Writeback:
         async with entry.record_lock:
             if entry.deleted:
                 return
-            entry.record = dataclasses.replace(entry.record, sealed=size)
-            await self._guard.write_record(entry.record)
+            before, entry.record = entry.record.sealed, dataclasses.replace(entry.record, sealed=size)
+            try:
+                await self._guard.write_record(entry.record, fence=False)   # a full disk: ENOSPC, not fenced
+            except OSError:
+                entry.record = dataclasses.replace(entry.record, sealed=before)   # (a rename may have replaced it)
+                raise
 
     async def unlink(self, entry: StagedFile) -> None:
         """The staged file's name is gone: journal a tombstone if an object may exist, drop the rest."""

@@ -29,18 +29,23 @@ class JournalGuard:
         self.barrier: Callable[[], None] = lambda: None    # blocking; made durable before a record goes
         self._errors = Counter("cachefs_journal_errors", "Journal writes or removals that failed (the record "
                                "stays for the next start; the staging area is fenced)", registry=metrics.registry)
+        self.kept_aside = Counter("cachefs_staged_kept_aside", "Staged files a start did not trust (the staging "
+                                  "filesystem lost unsynced pages), in staging/lost+found", registry=metrics.registry)
 
     def check(self) -> None:
         """Raise EROFS once the staging area is fenced."""
         if self.reason:
             raise OSError(errno.EROFS, f"staging area fenced off ({self.reason})")
 
-    async def write_record(self, record: Record) -> None:
-        """Journal ``record``; on failure fence the staging area and raise EROFS."""
+    async def write_record(self, record: Record, *, fence: bool = True) -> None:
+        """Journal ``record``; on failure fence the staging area and raise EROFS. ``fence=False``
+        (a seal): a full disk raises ENOSPC instead (the old record stays) and fences nothing."""
         self.check()
         try:
             await trio.to_thread.run_sync(self.journal.write_record, record, limiter=self._limiter)
         except OSError as exc:
+            if not fence and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
             self.failed(f"writing the record of {record.path}", exc)
             self.check()
 
