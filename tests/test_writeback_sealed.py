@@ -243,3 +243,27 @@ def test_a_seal_on_a_full_disk_fails_the_fsync_and_fences_nothing(tmp_path):
         assert [r["sealed"] for r in records] == [len(FSYNCED + LATER)]
     finally:
         bucket.remove()
+
+
+def test_a_clean_stop_seals_what_is_staged(tmp_path):
+    """A daemon stopping cleanly (``--no-drain``, or a drain that timed out) fsyncs and seals its
+    staging files: a next start on another mount (a clean reboot) uploads all of them."""
+    bucket = MemoryBucket()
+    staging = str(tmp_path / "staging")
+    try:
+        vfs, wb = make_stack(counted(bucket), staging)
+
+        async def main():
+            async with running(vfs, wb):
+                await Driver(vfs).call("write_at", "run.log", os.O_CREAT, 0, FSYNCED + LATER)   # never fsynced
+        trio.run(main)
+        wb.close()
+        run = os.path.join(staging, "run.json")
+        identity = json.loads(open(run).read())
+        with open(run, "w") as fh:
+            json.dump({**identity, "mount": identity["mount"] + 1}, fh)
+        data, _ = _restart_and_sync(bucket, staging)
+        assert data == FSYNCED + LATER
+        assert not os.path.exists(os.path.join(staging, "lost+found"))
+    finally:
+        bucket.remove()

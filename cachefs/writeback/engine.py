@@ -25,6 +25,7 @@ the new ETag). Failing uploads stay staged, back off (up to 60 s) and retry fore
 counted in the metrics and shown by ``cachefs status``.
 """
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -114,8 +115,7 @@ class Writeback:
     # ---- life cycle --------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Replay the journal, then schedule uploads until cancelled."""
-        records = await trio.to_thread.run_sync(self.journal.replay)     # notes this run's identity
-        self._guard.kept_aside.inc(self.journal.lost_found)
+        records = await self._guard.replay()
         orphans = await trio.to_thread.run_sync(self.journal.open_uploads)
         self._restore(records)
         async with trio.open_nursery() as nursery:
@@ -155,11 +155,12 @@ class Writeback:
         self._wake.set()
 
     def close(self) -> None:
-        """Close staging descriptors (the daemon is stopping; the journal keeps everything)."""
-        for entry in self._files.values():
-            if entry.fd >= 0:
-                os.close(entry.fd)
-                entry.fd = -1
+        """Seal and close the staging files (a clean stop: the next start trusts all of them)."""
+        for entry in (e for e in self._files.values() if e.fd >= 0):
+            with contextlib.suppress(OSError):      # a failing cache dir: the seals stay as they were
+                entry.record = self.journal.seal(entry.fd, entry.record)
+            os.close(entry.fd)
+            entry.fd = -1
 
     # ---- the scheduler -------------------------------------------------------------------------
     async def _schedule(self) -> None:
@@ -276,8 +277,7 @@ class Writeback:
             self._notify()
 
     async def _add_op(self, kind: str, path: str) -> None:
-        """Journal a tombstone (DELETE) or a directory marker change (MKDIR, RMDIR) for ``path``;
-        it replaces a pending opposite operation of the same slot."""
+        """Journal a tombstone or a directory marker change for ``path`` (replaces the slot's pending one)."""
         self._guard.check()
         seq = self.journal.next_seq()
         record = Record(seq, seq, kind, path, time.time())

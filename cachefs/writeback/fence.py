@@ -32,6 +32,12 @@ class JournalGuard:
         self.kept_aside = Counter("cachefs_staged_kept_aside", "Staged files a start did not trust (the staging "
                                   "filesystem lost unsynced pages), in staging/lost+found", registry=metrics.registry)
 
+    async def replay(self) -> list[Record]:
+        """The journal's replay at start (it notes this run's identity); counts what it kept aside."""
+        records = await trio.to_thread.run_sync(self.journal.replay)
+        self.kept_aside.inc(self.journal.lost_found)
+        return records
+
     def check(self) -> None:
         """Raise EROFS once the staging area is fenced."""
         if self.reason:

@@ -67,7 +67,7 @@ import logging
 import os
 import re
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,15 @@ class Journal:
 
     def sync_data(self, fd: int) -> None:
         os.fsync(fd)
+
+    def seal(self, fd: int, record: Record) -> Record:
+        """fsync a staging file and journal it sealed whole (a clean stop); returns the record."""
+        self.sync_data(fd)
+        size = os.fstat(fd).st_size
+        if record.sealed != size:
+            record = replace(record, sealed=size)
+            self.write_record(record)
+        return record
 
     # ---- records -----------------------------------------------------------------------------
     def write_record(self, record: Record) -> None:
