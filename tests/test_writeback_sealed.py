@@ -154,8 +154,8 @@ def test_copy_up_on_a_nearly_full_disk_never_records_a_short_copy(tmp_path, monk
 
 def test_truncate_during_an_upload_supersedes_it(tmp_path, monkeypatch):
     """The upload took ``job.size``, then the file was cut: its short read is a superseded upload
-    (no failure, no warning: the autouse fixture fails the test on one), retried with the new
-    content at once."""
+    (no failure, no warning: the autouse fixture fails the test on one, no backoff), and the new
+    content is uploaded when due."""
     bucket = MemoryBucket()
     reached, release = trio.Event(), trio.Event()
     token = {}

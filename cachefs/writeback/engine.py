@@ -209,7 +209,6 @@ class Writeback:
         except Superseded:
             self._m.uploads.labels(job.cls, "superseded").inc()
             entry.dirty_since = earliest(job.dirty_since, entry.dirty_since)
-            entry.urgent = entry.urgent or job.urgent
         except (StoreError, OSError) as exc:
             self._failed(entry, job, exc)
         else:

@@ -128,14 +128,13 @@ class Waiter:
 class UploadJob:
     """One upload of ``[0, size)`` of a staged file as it was at ``generation``."""
 
-    __slots__ = ("path", "size", "generation", "cls", "fd", "dirty_since", "unsynced_since", "cancelled", "urgent")
+    __slots__ = ("path", "size", "generation", "cls", "fd", "dirty_since", "unsynced_since", "cancelled")
 
     def __init__(self, entry: StagedFile, cls: str) -> None:
         self.path, self.size, self.generation, self.cls = entry.path, entry.size, entry.generation, cls
         self.fd = os.dup(entry.fd)
         self.dirty_since, self.unsynced_since = entry.dirty_since, entry.unsynced_since
         self.cancelled = False
-        self.urgent = entry.urgent       # a sync asked for it: a superseded upload is retried at once
 
 
 class PendingOp:
