@@ -267,3 +267,36 @@ def test_a_clean_stop_seals_what_is_staged(tmp_path):
         assert not os.path.exists(os.path.join(staging, "lost+found"))
     finally:
         bucket.remove()
+
+
+def test_a_rename_over_a_staged_file_journals_the_new_record_first(tmp_path):
+    """torch.save's rename of a fsynced temp file over a staged checkpoint: the replaced file's
+    record may go only once the moved one names the path (crash campaign, normal variant: a kill
+    in between left neither, and the last acknowledged checkpoint never reached the bucket)."""
+    bucket = MemoryBucket()
+    bucket.put("other.bin", b"x")
+    staging = str(tmp_path / "staging")
+    try:
+        vfs, wb = make_stack(counted(bucket), staging)
+        on_disk_at_removal = []
+        real_remove = wb.journal.remove_record
+
+        def remove_record(ident):
+            folder = os.path.join(staging, "records")
+            on_disk_at_removal.append(sorted(json.loads(open(os.path.join(folder, n)).read())["path"]
+                                             for n in os.listdir(folder) if n.endswith(".json")))
+            real_remove(ident)
+        wb.journal.remove_record = remove_record
+
+        async def main():
+            async with running(vfs, wb):
+                fs = Driver(vfs)
+                await fs.call("write_at", "ckpt.pt", os.O_CREAT, 0, b"acknowledged")
+                await fs.call("fsync_path", "ckpt.pt")
+                await fs.call("write_at", "ckpt.pt.tmp", os.O_CREAT, 0, b"next")
+                await fs.call("fsync_path", "ckpt.pt.tmp")
+                await fs.call("rename", "ckpt.pt.tmp", "ckpt.pt")
+        trio.run(main)
+        assert on_disk_at_removal[0] == ["ckpt.pt", "ckpt.pt"]    # a crash here keeps one of the two
+    finally:
+        bucket.remove()

@@ -334,12 +334,15 @@ class Writeback:
         self.cancel_delete(entry.path)
         if old is not None:
             entry.remote = entry.remote or old.remote
-            await self._discard(old)
-        try:
+        try:     # the new record first (its larger seq wins at replay): a crash keeps the old file
             await self._guard.write_record(entry.record)
         except OSError:
+            if old is not None and self._files.get(entry.path) is entry:
+                self._files[entry.path] = old
             await self._discard(entry)      # never acknowledged: its staging file goes (if it can)
             raise
+        if old is not None:
+            await self._discard(old)
         entry.ready = True
         self.wake()
 
@@ -523,9 +526,11 @@ class Writeback:
         self._guard.check()
         old_path, had_object = entry.path, entry.remote or entry.uploading is not None
         other = self._files.get(new_path)
-        if other is not None and other is not entry:
+        other = other if other is not entry else None
+        if other is not None:
             replaces_object = replaces_object or other.remote
-            await self._discard(other)
+            if other.uploading is not None:
+                other.uploading.cancelled = True
         self._files.pop(old_path, None)
         self.cancel_delete(new_path)
         seq = self.journal.next_seq()
@@ -534,8 +539,10 @@ class Writeback:
         entry.remote = replaces_object
         entry.synced = 0
         entry.touch(0, time.time())
-        async with entry.record_lock:
+        async with entry.record_lock:     # before the replaced file goes: a crash keeps one of them
             await self._guard.write_record(entry.record)
+        if other is not None:
+            await self._discard(other)
         if had_object:
             await self.delete(old_path)
         self.wake()
@@ -579,13 +586,7 @@ class Writeback:
                 "errors": pending["errors"], "fenced": self._guard.reason or None}
 
     def _update_gauges(self, now: float) -> None:
-        status = self.status()
-        for cls, c in status["classes"].items():
-            self._m.dirty_bytes.labels(cls).set(c["dirty_bytes"])
-            self._m.dirty_files.labels(cls).set(c["dirty_files"])
-            self._m.oldest_dirty.labels(cls).set(c["oldest_dirty_age_s"] or 0.0)
-        self._m.staged_bytes.set(self.staged_bytes)
-        self._m.failing.set(status["failing"])
+        _status.update_gauges(self._m, self.status())
 
 
 def make_writeback(cfg, store: ObjectStore, metrics: Metrics) -> Writeback:

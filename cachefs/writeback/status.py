@@ -37,3 +37,13 @@ def by_class(files: Iterable[StagedFile], policy: SyncPolicy, now: float | None 
         c["uploading"] += entry.uploading is not None
         c["failing"] += entry.failures > 0
     return classes
+
+
+def update_gauges(m, status: dict) -> None:
+    """Set the write-back's gauges (``WritebackMetrics`` ``m``) from the engine's ``status``."""
+    for cls, c in status["classes"].items():
+        m.dirty_bytes.labels(cls).set(c["dirty_bytes"])
+        m.dirty_files.labels(cls).set(c["dirty_files"])
+        m.oldest_dirty.labels(cls).set(c["oldest_dirty_age_s"] or 0.0)
+    m.staged_bytes.set(status["staged_bytes"])
+    m.failing.set(status["failing"])
