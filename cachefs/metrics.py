@@ -99,6 +99,10 @@ class WritebackMetrics:
                                   ["sync_class"], registry=r,
                                   buckets=(0.1, 0.5, 1, 2, 5, 6, 7.5, 10, 20, 30, 60, 120, 300, 600, 1800))
         self.staging_full = Counter("cachefs_staging_full", "Writes refused with ENOSPC", registry=r)
+        self.journal_errors = Counter("cachefs_journal_errors", "Journal writes or removals that failed (the "
+                                      "record stays for the next start; the staging area is fenced)", registry=r)
+        self.kept_aside = Counter("cachefs_staged_kept_aside", "Staged files a start did not trust (the staging "
+                                  "filesystem lost unsynced pages), in staging/lost+found", registry=r)
 
 
 class WarmupMetrics:

@@ -85,7 +85,8 @@ class Writeback:
         self._files: dict[str, StagedFile] = {}
         self._ops: dict[tuple[bool, str], PendingOp] = {}
         self._io = trio.CapacityLimiter(8)          # fsync and record writes
-        self._guard = JournalGuard(journal, self._io, metrics)    # journal I/O; fences a failing cache dir
+        self._m = WritebackMetrics(metrics)
+        self._guard = JournalGuard(journal, self._io, self._m)    # journal I/O; fences a failing cache dir
         self._uploader = Uploader(store, self._guard, part_size=part_size, upload_concurrency=upload_concurrency,
                                   log_concurrency=log_concurrency)
         self._busy: set[str] = set()
@@ -93,7 +94,6 @@ class Writeback:
         self._wake = trio.Event()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self._m = WritebackMetrics(metrics)
 
     @property
     def part_size(self) -> int:

@@ -13,24 +13,21 @@ import os
 from collections.abc import Callable
 
 import trio
-from prometheus_client import Counter
 
-from cachefs.metrics import Metrics
+from cachefs.metrics import WritebackMetrics
 from cachefs.writeback.journal import Journal, Record
 
 log = logging.getLogger(__name__)
 
 
 class JournalGuard:
-    def __init__(self, journal: Journal, limiter: trio.CapacityLimiter, metrics: Metrics) -> None:
+    def __init__(self, journal: Journal, limiter: trio.CapacityLimiter, metrics: WritebackMetrics) -> None:
         self.journal = journal
         self.reason = ""        # why the staging area takes no more writes ("": it does)
         self._limiter = limiter
         self.barrier: Callable[[], None] = lambda: None    # blocking; made durable before a record goes
-        self._errors = Counter("cachefs_journal_errors", "Journal writes or removals that failed (the record "
-                               "stays for the next start; the staging area is fenced)", registry=metrics.registry)
-        self.kept_aside = Counter("cachefs_staged_kept_aside", "Staged files a start did not trust (the staging "
-                                  "filesystem lost unsynced pages), in staging/lost+found", registry=metrics.registry)
+        self._errors = metrics.journal_errors
+        self.kept_aside = metrics.kept_aside
 
     async def replay(self) -> list[Record]:
         """The journal's replay at start (it notes this run's identity); counts what it kept aside."""
