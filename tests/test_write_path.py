@@ -385,6 +385,28 @@ def test_a_full_staging_area_blocks_then_gives_enospc(bucket, tmp_path):
 
 
 @pytest.mark.allow_warnings
+def test_a_writer_waiting_for_space_does_not_retry_a_failing_upload_in_a_loop(bucket, tmp_path):
+    store = counted(bucket)
+    stack = make_stack(store, str(tmp_path), staging_size=10 * KIB, staging_wait=1.5)
+
+    async def body(fs, vfs, wb):
+        store.failures["put"] = Unreachable("store down")
+        await fs.call("write_at", "a.txt", os.O_CREAT, 0, b"a" * 8 * KIB)
+        wb.request_sync()
+        await until(lambda: wb.pending()["failing"] == 1)
+        tries = store.calls["put"]
+        # 1.5 s waiting for room: the failing upload keeps its backoff (2 s after one failure)
+        assert await oserror(fs.call("write_at", "b.txt", os.O_CREAT, 0, b"b" * 4 * KIB)) == errno.ENOSPC
+        assert store.calls["put"] - tries <= 1
+        del store.failures["put"]
+        wb.request_sync()                                            # an explicit sync retries at once
+        assert await wb.wait_synced(None, 5)
+        assert stored(store, "a.txt") == b"a" * 8 * KIB
+
+    run(stack, body)
+
+
+@pytest.mark.allow_warnings
 def test_failing_uploads_stay_staged_and_a_remote_fsync_says_eio(bucket, tmp_path):
     store = counted(bucket)
     stack = make_stack(store, str(tmp_path), fsync_remote=True)

@@ -432,12 +432,12 @@ class Writeback:
                                         f"bytes staged, not yet uploaded)")
 
     async def _wait_for_space(self, fits: Callable[[], bool]) -> bool:
-        self.request_sync()
+        self.request_sync(retry_failed=False)       # a failing upload keeps its backoff (no busy loop)
         with trio.move_on_after(self.staging_wait):
             while not fits():
                 await self._changed.wait()
                 if not fits():
-                    self.request_sync()
+                    self.request_sync(retry_failed=False)
             return True
         return fits()
 
@@ -548,15 +548,15 @@ class Writeback:
         self.wake()
 
     # ---- control: sync, drain, status ----------------------------------------------------------
-    def request_sync(self, cls: str | None = None) -> None:
-        """Make every unsynced file of ``cls`` (all when None) due now."""
+    def request_sync(self, cls: str | None = None, *, retry_failed: bool = True) -> None:
+        """Make every unsynced file of ``cls`` (all when None) due now; failing ones too if ``retry_failed``."""
         now = time.time()
         for entry in self._files.values():
             if entry.dirty and (cls is None or self.policy.classify(entry.path, entry.size) == cls):
-                entry.make_urgent(now)
+                entry.make_urgent(now, retry_failed)
         if cls in (None, LOG):
             for op in self._ops.values():
-                op.next_try = 0.0
+                op.next_try = 0.0 if retry_failed or not op.failures else op.next_try
         self.wake()
 
     def pending(self, cls: str | None = None) -> dict:

@@ -85,10 +85,11 @@ class StagedFile:
         if job is not None and offset < job.size:
             job.cancelled = True      # a newer version supersedes the upload in flight
 
-    def make_urgent(self, now: float) -> None:
-        """Due now (a sync, a remote fsync, a full staging area)."""
+    def make_urgent(self, now: float, retry_failed: bool = True) -> None:
+        """Due now (a sync, a remote fsync, a full staging area); a failing one keeps its backoff
+        unless ``retry_failed``."""
         self.urgent = True
-        self.next_try = 0.0
+        self.next_try = 0.0 if retry_failed or not self.failures else self.next_try
         if self.dirty_since is None and self.uploading is None:
             self.dirty_since = now
 
