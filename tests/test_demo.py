@@ -19,6 +19,8 @@ def test_demo_runs_end_to_end_and_verifies_every_file(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "all 61 files verified; object-store GETs after the remount: 0" in result.stdout
     assert "warm (disk tier)" in result.stdout and "hot (page cache)" in result.stdout
+    # the warmup step fetched what the cold pass had not read (30 of 60 small files), found the rest cached
+    assert "cachefs warmup" in result.stdout and "30 fetched" in result.stdout, result.stdout[-2000:]
 
 
 def test_sample_data_of_the_default_large_size():
