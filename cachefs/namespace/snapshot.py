@@ -32,6 +32,7 @@ class ListingSnapshot:
         meta.mkdir(parents=True, exist_ok=True)
         name = hashlib.blake2b(store_identity.encode(), digest_size=12).hexdigest()
         self.path = meta / f"listing-{name}.sqlite"
+        self._unlinked = False
         self._db = self._open()
 
     def _open(self) -> sqlite3.Connection:
@@ -146,12 +147,37 @@ class ListingSnapshot:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if self._unlinked:              # a dropped snapshot stays dropped after a power cut
+            fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._unlinked = False
 
     def _change(self, sql: str, args: tuple) -> None:
         try:
             self._db.execute(sql, args)
         except sqlite3.DatabaseError as exc:
-            log.info("listing snapshot update failed (%s): %s", args[:2], exc)
+            self._discard(f"update failed ({args[:2]}): {exc}")
+
+    def _discard(self, why: str) -> None:
+        """A change of the mount's own the snapshot could not record (a full or failing cache disk):
+        the saved listings must not outlive this run, or a remount would show a directory as it was
+        before the change. Their files are unlinked (that needs no free space; ``sync`` makes it
+        durable before the record covering the change goes) and an empty snapshot takes over."""
+        log.info("listing snapshot %s dropped: %s", self.path, why)
+        with contextlib.suppress(sqlite3.Error):
+            self._db.close()
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        self._unlinked = True
+        try:
+            self._db = self._open()
+        except sqlite3.Error:           # no room for a new file: keep this run's listings in memory
+            self._db = sqlite3.connect(":memory:", isolation_level=None)
+            self._db.executescript(_SCHEMA)
 
     def _query(self, sql: str, args: tuple):
         try:
