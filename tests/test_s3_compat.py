@@ -20,7 +20,7 @@ import trio
 from botocore.config import Config
 from ceph_rgw import CephRGW
 
-from benchmarks.s3_servers import RcloneServer, SeaweedServer, find_binary
+from benchmarks.s3_servers import RcloneServer, SeaweedServer, find_binary, free_port
 from cachefs.errors import NoSuchKey, VersionChanged
 from cachefs.metrics import Metrics
 from cachefs.store.s3.store import S3Options, S3Store
@@ -197,3 +197,11 @@ def test_a_64_mib_file_on_rclone_reads_whole_through_a_mount(tmp_path_factory, m
             assert len(got) == len(data) and hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
         finally:
             mount.umount()
+
+
+def test_server_ports_are_picked_below_the_ephemeral_range():
+    """A port from inside the range can be taken by any outgoing connection before the server binds
+    it (SeaweedFS once lost its filer's gRPC port to its own master client)."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(10000 <= port < low for port in ports), ports
