@@ -502,3 +502,34 @@ def test_union_source_stacks_directory_listings():
     assert sorted(i.path for i in merged.files) == ["d/a", "d/b", "d/c"]
     assert [i.etag for i in merged.files if i.path == "d/b"] == ["b"]          # the first source wins
     assert sorted(merged.dirs) == ["s", "t"]
+
+
+def test_a_write_the_full_disk_cuts_short_is_undone_never_half_uploaded(bucket, tmp_path, monkeypatch):
+    """A nearly full disk writes part of a pwrite, then ENOSPC: the write fails whole and the file
+    keeps its length, so no upload (or replay) ever holds half of one write()."""
+    from cachefs.writeback import staged
+    store = counted(bucket)
+    stack = make_stack(store, str(tmp_path), staging_wait=0.2)
+    real = os.pwrite
+
+    calls = []
+
+    def short_then_full(fd, data, offset):      # what ext4 does on a nearly full disk
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(fd, bytes(data[:len(data) // 2]), offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def body(fs, vfs, wb):
+        fh = await fs.call("open", "run.log", os.O_CREAT | os.O_WRONLY)
+        await fs.call("pwrite", fh, b"first record\n", 0)
+        monkeypatch.setattr(staged.os, "pwrite", short_then_full)
+        assert await oserror(fs.call("pwrite", fh, b"x" * 3000, 13)) == errno.ENOSPC
+        monkeypatch.setattr(staged.os, "pwrite", real)
+        await fs.call("close", fh)
+        assert await fs.call("read_all", "run.log") == b"first record\n"
+        wb.request_sync()
+        assert await wb.wait_synced(None, 5)
+        assert stored(store, "run.log") == b"first record\n"
+
+    run(stack, body)

@@ -19,10 +19,9 @@ when it started; before the object is made visible it checks that no write went 
 and that the file was not renamed or deleted (``StagedFile.check``), else it is *superseded*
 (a multipart upload is aborted; no object appears) and the newer version is uploaded instead.
 
-A file whose last upload covered its last write, and that no writer holds open, is *retired*:
-its record is removed, then its staging file, and reads go through the block cache (keys carry
-the new ETag). Failing uploads stay staged, back off (up to 60 s) and retry forever; they are
-counted in the metrics and shown by ``cachefs status``.
+A file whose last upload covered its last write and that no writer holds open is *retired*: its
+record, then its staging file, are removed and reads go through the block cache (new ETag).
+Failing uploads stay staged, back off (up to 60 s), retry forever, and show in metrics and status.
 """
 
 import contextlib
@@ -53,6 +52,7 @@ from cachefs.writeback.staged import (
     Waiter,
     earliest,
     pwrite_all,
+    pwrite_whole,
 )
 from cachefs.writeback.uploader import Uploader
 
@@ -392,15 +392,15 @@ class Writeback:
             return 0        # changes nothing (a size past EOF would exceed the staging file's)
         await self.reserve(entry, offset + len(data))
         try:
-            written = os.pwrite(entry.fd, data, offset)
+            pwrite_whole(entry.fd, data, offset, entry.size)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
             await self._wait_for_space(lambda: False)    # the staging disk itself is full
-            written = os.pwrite(entry.fd, data, offset)
-        self._resize(entry, max(entry.size, offset + written))
+            pwrite_whole(entry.fd, data, offset, entry.size)
+        self._resize(entry, max(entry.size, offset + len(data)))
         entry.touch(offset, time.time())
-        return written
+        return len(data)
 
     async def truncate(self, entry: StagedFile, size: int) -> None:
         self._guard.check()
