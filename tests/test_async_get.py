@@ -125,7 +125,8 @@ class ScriptedServer:
     """An HTTP/1.1 server on loopback answering each request with what ``script`` says.
 
     Counts connections and requests; a reply ending in b"<close>" closes the connection after
-    sending the rest; ``b"<silent>"`` sends nothing and waits for the client to hang up."""
+    sending the rest; ``b"<silent>"`` sends nothing and waits for the client to hang up; b"<stall>"
+    sends the rest and then nothing more; b"<trickle>" sends the rest in 8 pieces 0.1 s apart."""
 
     def __init__(self, script: Script, tls: ssl.SSLContext | None = None) -> None:
         self.script = script
@@ -182,11 +183,22 @@ class ScriptedServer:
                 if reply == b"<silent>":
                     self._stop.wait(5)
                     return
-                close = reply.endswith(b"<close>")
+                close, stall = reply.endswith(b"<close>"), reply.endswith(b"<stall>")
+                trickle = reply.endswith(b"<trickle>")
+                reply = reply.removesuffix(b"<close>").removesuffix(b"<stall>").removesuffix(b"<trickle>")
                 try:
-                    conn.sendall(reply.removesuffix(b"<close>"))
+                    if trickle:          # 8 pieces, 0.1 s apart
+                        step = -(-len(reply) // 8)
+                        for i in range(0, len(reply), step):
+                            conn.sendall(reply[i:i + step])
+                            time.sleep(0.1)
+                    else:
+                        conn.sendall(reply)
                 except OSError:
                     return          # the client hung up mid-answer (it may: see the range tests)
+                if stall:
+                    self._stop.wait(5)
+                    return
                 if close:
                     return
 
@@ -303,6 +315,17 @@ def test_a_server_that_says_nothing_times_out(scripted):
     server = scripted(lambda n, req: b"<silent>")
     [error] = gets(getter(server, read_timeout=0.3), 1)
     assert isinstance(error, TimeoutError)
+
+
+def test_a_body_that_stops_midway_times_out(scripted):
+    server = scripted(lambda n, req: ok(BODY)[:60_000] + b"<stall>")
+    [error] = gets(getter(server, read_timeout=0.3), 1)
+    assert isinstance(error, TimeoutError)
+
+
+def test_a_slow_body_that_keeps_coming_is_not_a_timeout(scripted):
+    server = scripted(lambda n, req: ok(BODY) + b"<trickle>")      # 0.8 s in all, never 0.3 s silent
+    assert gets(getter(server, read_timeout=0.3), 1) == [BODY]
 
 
 def test_garbage_instead_of_http_is_an_error_not_a_hang(scripted):
