@@ -537,8 +537,23 @@ class LoopFs:
         Path(f"/sys/fs/ext4/{Path(device).name}/trigger_fs_error").write_text("1\n")
 
     def remount(self) -> None:
-        subprocess.run(["umount", str(self.path)], check=True)
-        self.mount()
+        """Unmount, repair (the triggered error is recorded in the superblock, and a mount of a
+        filesystem marked with errors can come back read-only), mount again and prove it is
+        writable; a few tries, then a clear failure of the harness (not of cachefs)."""
+        for attempt in range(3):
+            subprocess.run(["umount", str(self.path)], check=True)
+            subprocess.run(["e2fsck", "-fy", str(self.image)], capture_output=True, check=False)
+            self.mount()
+            probe = self.path / ".harness-writable"
+            try:
+                probe.write_bytes(b"x")
+                probe.unlink()
+                return
+            except OSError as exc:
+                last = exc
+                time.sleep(0.5 * (attempt + 1))
+        raise RuntimeError(f"harness: the loop filesystem at {self.path} stays read-only after "
+                           f"remount and e2fsck: {last}")
 
     def close(self) -> None:
         subprocess.run(["umount", "-l", str(self.path)], capture_output=True, check=False)
