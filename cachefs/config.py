@@ -87,7 +87,9 @@ class MountConfig:
     prefetch_dataset: bool = field(default=False, metadata={
         "help": "with --immutable: once a job reads many files of one directory, warm the rest of it"})
     prefetch_budget: int = field(default=0, metadata={
-        "help": "most bytes --prefetch-dataset warms (0: half the disk tier)", "size": True})
+        "help": "most bytes --prefetch-dataset or --shard-warm warms (0: half the disk tier)", "size": True})
+    shard_warm: bool = field(default=True, metadata={
+        "help": "packed datasets: the first read of a shard warms all of it in the background"})
     readahead_size: int = field(default=32 << 20, metadata={
         "help": "largest readahead window of a sequential reader", "size": True})
     max_fetches: int = field(default=32, metadata={"help": "concurrent object-store GETs for reads"})

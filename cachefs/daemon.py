@@ -78,7 +78,8 @@ class Daemon:
                        packed=self.packed)
         self.warmer = Warmer(self.vfs, self.tiers, store, metrics,
                              max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
-                             dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget)
+                             dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget,
+                             shard_warm=cfg.shard_warm)
         uid = os.getuid() if cfg.uid is None else cfg.uid
         gid = os.getgid() if cfg.gid is None else cfg.gid
         commands = command_table(self.status, self.warmer.commands(),

@@ -426,3 +426,43 @@ def test_a_stalled_readahead_never_queues_a_foreground_read(bucket_mem):
             finally:
                 gate.open()
     trio.run(main)
+
+
+def test_a_block_being_written_to_disk_is_read_and_warmed_without_a_second_get(bucket_mem, tmp_path):
+    """A block fetched whole (so not kept in memory) whose disk fill is still being written: a
+    reader takes the fill's bytes, and a warm of it waits for the fill; neither GETs it again."""
+    data = blob(9, 2 * BS)
+    bucket_mem.put("f", data)
+    store = bucket_mem.store()
+    f = bucket_mem.version(store, "f")
+    metrics = Metrics()
+    disk = make_disk(tmp_path / "disk", metrics)
+    entered, release = threading.Event(), threading.Event()
+    write_file = disk._write_file
+
+    def held(*args):
+        entered.set()
+        assert release.wait(10)
+        return write_file(*args)
+    disk._write_file = held
+
+    async def main():
+        async with serving(disk):
+            cache = make_cache(store, metrics, disk)
+            key = cache.key(f, 0)
+            assert await cache.read(f, 0, BS) == data[:BS]
+            assert await trio.to_thread.run_sync(entered.wait, 5)
+            assert disk.filling(key) and not cache.memory.contains(key) and not disk.contains(key)
+            assert await cache.read(f, 10, 100) == data[10:110]          # the fill's bytes
+            results = []
+
+            async def warm():
+                results.append(await cache.warm(f, 0, trio.CapacityLimiter(2)))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(warm)
+                await trio.sleep(0.05)
+                assert results == []                                     # waiting for the fill
+                release.set()
+            assert results == [(0, True)] and disk.contains(key)
+            assert store.calls["get"] == 1
+    trio.run(main)

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import random
+import time
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -16,7 +17,7 @@ from mounts import cachefs, is_mounted, put_tree
 
 from benchmarks.latency_proxy import LatencyProxy
 from cachefs.cli import main
-from cachefs.data import PackedDataset
+from cachefs.data import PackedDataset, PackedIterableDataset
 from cachefs.demo.local_s3 import s3_client
 from cachefs.packfmt import PackExit
 from cachefs.packfmt.index import SHARDS_SCHEMA, parquet_bytes
@@ -168,6 +169,92 @@ def test_warmup_fetches_whole_shards_then_reads_come_from_the_cache(s3_server, p
     proxy.refuse(True)
     assert tree_of(mnt.path) == files
     proxy.refuse(False)
+    mnt.umount()
+
+
+def shards_of(mnt) -> dict[int, list[str]]:
+    """shard number -> the paths of the files it holds, from the index (read through the mount)."""
+    manifest = json.loads((mnt / PACKED / "manifest.json").read_bytes())
+    out: dict[int, list[str]] = {}
+    for row in pq.read_table(mnt / PACKED / manifest["index_files"], columns=["path", "shard"]).to_pylist():
+        out.setdefault(row["shard"], []).append(row["path"])
+    return out
+
+
+def wait_shard_warms(mnt, shards: int, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = mnt.status()["warmup"]["shard_warm"]
+        if state["shards"] >= shards and state["running"] == 0 and state["queued"] == 0 \
+                and not mnt.status()["warmup"]["running"]:
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+def test_the_first_read_of_a_shard_warms_all_of_it(s3_server, proxied, mount_factory):
+    proxy, bucket, client = proxied
+    files = make_files(400)
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
+    mnt = mount(proxy, bucket, mount_factory).start()
+    by_shard = shards_of(mnt)
+    assert len(by_shard) >= 3
+    sizes = pq.read_table(mnt / PACKED / json.loads((mnt / PACKED / "manifest.json").read_bytes())
+                          ["index_shards"]).column("bytes").to_pylist()
+    gets = mnt.requests("get")
+    first = sorted(by_shard[1])[0]
+    assert (mnt / first).read_bytes() == files[first]           # one file of shard 1 ...
+    state = wait_shard_warms(mnt, 1)
+    assert state["shards"] == 1 and state["bytes"] == sizes[1]
+    assert mnt.requests("get") - gets == -(-sizes[1] // BLOCK)    # ... fetched all of it, each block once
+    proxy.refuse(True)                                          # every file of shard 1 from the cache
+    assert all((mnt / p).read_bytes() == files[p] for p in by_shard[1])
+    with pytest.raises(OSError) as info:                        # the other shards were left alone
+        (mnt / sorted(by_shard[2])[0]).read_bytes()
+    assert info.value.errno == errno.EIO
+    proxy.refuse(False)
+    mnt.umount()
+
+    small = mount(proxy, bucket, mount_factory, "--prefetch-budget", "4K", name="small").start()
+    gets = small.requests("get")
+    assert (small / first).read_bytes() == files[first]
+    time.sleep(0.5)
+    state = small.status()["warmup"]["shard_warm"]
+    assert state["over_budget"] == 1 and state["bytes"] == 0
+    assert small.requests("get") - gets < -(-sizes[1] // BLOCK)  # a block and its readahead, not the shard
+    small.umount()
+    off = mount(proxy, bucket, mount_factory, "--no-shard-warm", name="off").start()
+    assert off.status()["warmup"]["shard_warm"] is None
+    off.umount()
+
+
+def test_the_loader_fetches_the_next_shards_ahead(s3_server, proxied, mount_factory):
+    proxy, bucket, client = proxied
+    files = make_files(400)
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "512K")
+    mnt = mount(proxy, bucket, mount_factory).start()
+    with PackedIterableDataset(mnt.path, seed=3, lookahead=2) as ds:
+        shards = ds.files.shard[ds.order()].tolist()
+        ahead = list(dict.fromkeys(shards))[:3]        # the shard read first and the next two in its order
+        assert len(dict.fromkeys(shards)) > 3
+        samples = iter(ds)
+        path, data = next(samples)
+        assert data == files[path]
+        wait_shard_warms(mnt, 3)
+        check = cachefs("warmup", "--check", "--json", *(str(mnt / PACKED / "shards" / f"{s:05d}.tfrecord")
+                                                         for s in ahead))
+        assert check.returncode == 0, check.stdout + check.stderr
+        report = json.loads(check.stdout.splitlines()[-1])
+        assert report["files"] == 3 and report["cached_bytes"] == report["bytes"] > 0, report
+        proxy.refuse(True)               # the first three shards' samples come from the cache alone;
+        seen = 1                         # the fourth's first is an OSError (never SIGBUS, never wrong bytes)
+        with pytest.raises(OSError) as info:
+            for path, data in samples:
+                assert ds.files.shard[ds.index.find(path)] in ahead and data == files[path]
+                seen += 1
+        assert info.value.errno == errno.EIO
+        assert seen == sum(1 for s in shards if s in ahead)
+        proxy.refuse(False)
     mnt.umount()
 
 

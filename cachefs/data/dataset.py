@@ -76,8 +76,10 @@ class PackedIterableDataset(_Packed, _IterableBase):
     """Whole shards in a seeded order, split among ranks and workers, resumable mid-epoch."""
 
     def __init__(self, root: str | Path, *, seed: int = 0, shuffle: bool = True, rank: int | None = None,
-                 world_size: int | None = None, transform: Callable[[str, bytes], object] | None = None) -> None:
+                 world_size: int | None = None, transform: Callable[[str, bytes], object] | None = None,
+                 lookahead: int = 2) -> None:
         super().__init__(root, transform)
+        self.lookahead = max(0, lookahead)   # shards fetched ahead of the one being read
         self.seed, self.epoch, self.shuffle = seed, 0, shuffle
         self.rank, self.world_size = _distributed(rank, world_size)
         self._groups = self.index.rows_by_shard()
@@ -102,9 +104,20 @@ class PackedIterableDataset(_Packed, _IterableBase):
         consumer, consumers = self._consumer()
         share = consumer_share(self.order(), self._start, consumer, consumers)
         self._consumers = consumers
+        ahead = _shards_in_order(self.files.shard[share]) if self.lookahead else []
+        current, position = -1, 0
         try:
             for row in share:
                 row = int(row)
+                shard = int(self.files.shard[row])
+                if shard != current and ahead:          # entering a shard: fetch the next ones ahead
+                    current = shard
+                    while position < len(ahead) and ahead[position] != shard:
+                        position += 1
+                    if self.files.in_mount:
+                        self.files.touch(shard, whole=True)
+                    for nxt in ahead[position + 1:position + 1 + self.lookahead]:
+                        self.files.touch(nxt)
                 data = self.files.read_mapped(row)
                 self._yielded += 1
                 yield self._sample(row, data)
@@ -126,6 +139,14 @@ class PackedIterableDataset(_Packed, _IterableBase):
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self._start, self._yielded = int(state["consumed"]), 0
+
+
+def _shards_in_order(shards) -> list[int]:
+    """The distinct shards of a share, in the order it first reaches them."""
+    seen: dict[int, None] = {}
+    for shard in shards.tolist():
+        seen.setdefault(shard, None)
+    return list(seen)
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:

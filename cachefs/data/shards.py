@@ -5,9 +5,11 @@ Open files and mappings belong to one process (DataLoader workers fork) and are 
 import mmap
 import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cachefs.packfmt import CorruptRecord, PackedIndex
+from cachefs.packfmt.store_index import PACKED_DIR
 from cachefs.packfmt.tfrecord import crc32c
 
 
@@ -26,11 +28,15 @@ class ShardFiles:
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
         self._mapped: tuple[int, mmap.mmap] | None = None
-        self._can_map = True     # False where the file system refuses mmap (then one pread per file)
+        self._toucher: tuple[int, ThreadPoolExecutor] | None = None    # (pid, its helper thread)
+        self.in_mount = root.name == PACKED_DIR
+        # A failed read of a mapped page is SIGBUS: the training process would die where a read
+        # through a mount (whose store can fail) must be an OSError. Mount: pread; local: mmap.
+        self._can_map = not self.in_mount     # also False where the file system refuses mmap
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_fds=OrderedDict(), _mapped=None)
+        state.update(_fds=OrderedDict(), _mapped=None, _toucher=None)
         return state
 
     def _fd(self, shard: int) -> int:
@@ -50,6 +56,31 @@ class ShardFiles:
         shard, offset, length = int(self.shard[row]), int(self.offset[row]), int(self.length[row])
         data = os.pread(self._fd(shard), length, offset)
         return self._checked(row, data)
+
+    def touch(self, shard: int, *, whole: bool = False) -> None:
+        """Start fetching shard ``shard`` without waiting, in a helper thread. ``whole``: ask the
+        kernel to read all of it into the page cache (the shard being read: its samples are then
+        page-cache hits, as with a mapping, but a failed read is dropped there instead of a
+        SIGBUS). Otherwise a shard read next: in a cachefs mount its first read warms all of it
+        in the background (``--shard-warm``); in a local directory the kernel reads it ahead."""
+        if self._toucher is None or self._toucher[0] != os.getpid():   # none yet, or a forked worker
+            self._toucher = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cachefs-shard-touch"))
+        self._toucher[1].submit(self._touch, shard, whole or not self.in_mount)
+
+    def _touch(self, shard: int, whole: bool) -> None:
+        try:
+            fd = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
+        except OSError:
+            return                    # the read of its first sample reports the problem
+        try:
+            if whole:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            else:
+                os.pread(fd, 1, 0)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def read_mapped(self, row: int) -> bytes:
         """The same from the whole shard mapped and read ahead (sequential whole-shard reads)."""
@@ -88,6 +119,9 @@ class ShardFiles:
     def close(self) -> None:
         """Close this process's mapping and files (a mount can then be unmounted)."""
         self.release()
+        if self._toucher is not None and self._toucher[0] == os.getpid():
+            self._toucher[1].shutdown(wait=False, cancel_futures=True)
+        self._toucher = None
         if self._pid == os.getpid():
             for fd in self._fds.values():
                 os.close(fd)

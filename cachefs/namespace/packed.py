@@ -18,6 +18,7 @@ mismatch evicts the record's blocks, counts ``cachefs_packed_crc_errors_total``,
 import errno
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,6 +108,8 @@ class PackedView:
         shards = index.shards.select(["shard", "etag", "bytes"]).to_pylist()
         self._shards = [FileVersion(shard_path(s["shard"]), s["etag"], s["bytes"]) for s in shards]
         self._streams: dict[str, Stream] = {}
+        self._shard_paths = {f.path for f in self._shards}
+        self.on_shard: Callable[[FileVersion], None] | None = None   # the shard warm (warm/dataset_watch.py)
         self._asked: dict[str, set[int]] = {}      # per shard: blocks readahead was asked for
         files = index.files     # one chunk each (validated on load): numpy views, no copies
         self._col = {name: files.column(name).to_numpy() for name in
@@ -146,6 +149,8 @@ class PackedView:
         if offset >= end:
             return b""
         if ref.crc is None:
+            if self.on_shard is not None and ref.file.path in self._shard_paths:
+                self.on_shard(ref.file)       # the native loader reading the shard file itself
             return await self.tiers.read(ref.file, offset, end - offset, stream)
         if ref.verified:
             return await self._range(ref, offset, end)
@@ -180,6 +185,8 @@ class PackedView:
         path = ref.file.path
         stream = self._streams.get(path)
         if stream is None:
+            if self.on_shard is not None:
+                self.on_shard(ref.file)
             self._streams[path] = Stream()
             self._asked[path] = set()
             return self._streams[path]

@@ -172,6 +172,9 @@ class Tiers:
             got = await self.disk.read_async(key, lo, hi - lo)
             if got is not None and len(got) == hi - lo:
                 return got
+            data = self.disk.filling_data(key)     # fetched (e.g. by a warm) and being written
+            if data is not None and len(data) == self.block_len(f, index):
+                return data if (lo, hi) == (0, len(data)) else data[lo:hi]
         whole = (lo, hi) == (0, min(self.block_size, f.size - key.offset))
         data = await self._flights.do(key, lambda: self._fetch(f, key, keep=not whole))
         return data if whole else data[lo:hi]
@@ -260,6 +263,8 @@ class Tiers:
         if self.disk is None:
             return 0, False
         if self.disk.contains(key):
+            return 0, True
+        if await self.disk.wait_fill(key):        # a reader's fill of it was queued: no second GET
             return 0, True
         data = self.memory.get(key) if self.memory.contains(key) else None
         fetched = 0

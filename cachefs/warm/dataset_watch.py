@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 
 from cachefs.errors import CachefsError
+from cachefs.packfmt.store_index import PACKED_DIR
 from cachefs.tiers.cache import FileVersion
 from cachefs.warm.job import WarmSpec
 
@@ -77,3 +78,64 @@ def _common_dir(paths: list[str]) -> str:
     parents = [posixpath.dirname(p) for p in paths]
     common = posixpath.commonpath(parents) if all(parents) else ""
     return common
+
+
+class ShardWatcher:
+    """A packed mount's shard warm (``--shard-warm``, on by default): the first read of a shard
+    (a packed file in it, or the shard file itself through ``.cachefs-packed``) queues a detached
+    warm of the whole shard. A shard is packed to be read whole, and an epoch reads all of it
+    sooner or later: one job fetches its blocks at link speed in parallel, where readers alone
+    would fetch one block per shuffled file plus a readahead window. At most ``parallel`` shard
+    warms run at once (in the order the shards were first read), and the bytes they may fetch
+    are bounded by ``budget`` (beyond it, reads fall back to block readahead)."""
+
+    def __init__(self, warmer, budget: int, *, parallel: int = 3, concurrency: int = 8) -> None:
+        self.warmer = warmer
+        self.budget = budget
+        self.parallel = parallel
+        self.concurrency = concurrency
+        self.started = 0                      # bytes of the shards queued or warmed
+        self._touched: set[str] = set()
+        self._queue: list[tuple[str, int]] = []
+        self._running = 0
+        self.skipped = 0                      # shards beyond the budget
+
+    def on_shard(self, f: FileVersion) -> None:
+        """Called in the trio thread on the first read of a shard (never blocks)."""
+        if f.path in self._touched:
+            return
+        self._touched.add(f.path)
+        if self.started + f.size > self.budget:
+            self.skipped += 1
+            if self.skipped == 1:
+                log.info("shard warm: %s and later shards are not warmed whole (budget %d bytes reached; "
+                         "--prefetch-budget)", f.path, self.budget)
+            return
+        self.started += f.size
+        self._queue.append((f.path, f.size))
+        self._next()
+
+    def _next(self) -> None:
+        while self._queue and self._running < self.parallel:
+            path, size = self._queue.pop(0)
+            self._running += 1
+            self.warmer.start_soon(self._warm, path, size)
+
+    async def _warm(self, path: str, size: int) -> None:
+        try:
+            job = self.warmer.start(WarmSpec(paths=(f"{PACKED_DIR}/{path}",)), concurrency=self.concurrency,
+                                    detach=True, label=f"shard warm of {path}", budget=size + (size >> 4))
+            await job.done.wait()
+            if job.state != "done":
+                log.info("shard warm of %s: %s%s", path, job.state, f" ({job.error})" if job.error else "")
+        except CachefsError as exc:
+            log.info("shard warm of %s not started: %s", path, exc)
+        except Exception:                   # a bug: logged, never takes the daemon (or a read) down
+            log.exception("shard warm of %s failed", path)
+        finally:
+            self._running -= 1
+            self._next()
+
+    def status(self) -> dict:
+        return {"budget": self.budget, "shards": len(self._touched), "bytes": self.started,
+                "queued": len(self._queue), "running": self._running, "over_budget": self.skipped}

@@ -50,7 +50,7 @@ class Warmer:
 
     def __init__(self, vfs: Vfs, tiers: Tiers, store: ObjectStore, metrics: Metrics, *,
                  max_concurrency: int, immutable: bool = False, dataset_watch: bool = False,
-                 dataset_budget: int = 0) -> None:
+                 dataset_budget: int = 0, shard_warm: bool = False) -> None:
         self.vfs = vfs
         self.tiers = tiers
         self.store = store
@@ -66,6 +66,11 @@ class Warmer:
             from cachefs.warm.dataset_watch import DatasetWatcher
             self.watcher = DatasetWatcher(self, dataset_budget or tiers.disk_capacity // 2)
             tiers.on_first_read = self.watcher.on_first_read
+        self.shards = None
+        if shard_warm and vfs.packed is not None:
+            from cachefs.warm.dataset_watch import ShardWatcher
+            self.shards = ShardWatcher(self, dataset_budget or tiers.disk_capacity // 2)
+            vfs.packed.on_shard = self.shards.on_shard
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -87,7 +92,8 @@ class Warmer:
                 "last": self.last.report("done") | {"failures": []} if self.last else None,
                 "pinned": self.tiers.pinned(),
                 # "dataset_prefetch" names the --prefetch-dataset option: users and tests read this key
-                "dataset_prefetch": self.watcher.status() if self.watcher else None}
+                "dataset_prefetch": self.watcher.status() if self.watcher else None,
+                "shard_warm": self.shards.status() if self.shards else None}
 
     # ---- control commands ------------------------------------------------------------------
     async def _paths_command(self, args: dict) -> AsyncIterator[dict]:

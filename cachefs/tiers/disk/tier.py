@@ -144,6 +144,20 @@ class DiskTier:
         """A fill of this block is queued or being written."""
         return key.digest() in self._inflight
 
+    def filling_data(self, key: BlockKey) -> bytes | None:
+        """The bytes of this block's queued or running fill (a reader takes them from there
+        instead of a second GET while they are written), or None."""
+        job = self._inflight.get(key.digest())
+        return job.data if job is not None and not job.cancelled else None
+
+    async def wait_fill(self, key: BlockKey) -> bool | None:
+        """Wait for this block's queued or running fill: whether it was written; None if none."""
+        job = self._inflight.get(key.digest())
+        if job is None:
+            return None
+        await job.done.wait()
+        return job.ok
+
     def contains(self, key: BlockKey) -> bool:
         return self.contains_digest(key.digest())
 
