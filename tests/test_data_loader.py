@@ -3,6 +3,7 @@ order identical across world sizes, resume mid-epoch, no hang with fewer shards 
 crc mismatches raised, and torch DataLoader workers."""
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -187,3 +188,31 @@ def test_the_loader_reads_a_packed_dataset_through_a_cachefs_mount(s3_server, bu
         got = paths_of(ds)
     assert got == paths_of(PackedIterableDataset(tmp_path / "packed", seed=4))
     mnt.umount()      # the datasets closed their files: the mount is not busy
+
+
+def test_each_shard_is_fetched_ahead_and_in_a_mount_read_whole_ahead(packed, monkeypatch):
+    """Entering a shard starts (in a helper thread) the next two of the order; in a mount the
+    shard being entered is also read whole into the page cache (by one worker per shard)."""
+    root, _files = packed
+    sizes = {p.name: p.stat().st_size for p in (root / "shards").iterdir() if p.suffix == ".tfrecord"}
+    with PackedIterableDataset(root, seed=5, shuffle=True) as ds:
+        order = list(dict.fromkeys(ds.files.shard[ds.order()].tolist()))
+        assert len(order) >= 4
+        calls = []
+        monkeypatch.setattr(ds.files, "touch", lambda shard, whole=False: calls.append((shard, whole)))
+        for _ in ds:
+            pass
+        # entering order[0] starts order[1] and order[2]; entering order[1], order[2] and order[3]
+        assert [s for s, whole in calls if not whole][:4] == [order[1], order[2], order[2], order[3]]
+        assert not any(whole for _, whole in calls)                 # a local directory: no whole read
+        calls.clear()
+        ds.files.in_mount = True
+        for _ in ds:
+            pass
+        assert [s for s, whole in calls if whole] == order          # one worker: every shard, in order
+        monkeypatch.undo()
+        read = []
+        real = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: read.append(n := real(fd, bufs, off)) or n)
+        ds.files._touch(order[0], True)
+        assert sum(read) == sizes[ds.files.names[order[0]]] > 0      # read to the end

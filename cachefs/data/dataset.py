@@ -105,6 +105,7 @@ class PackedIterableDataset(_Packed, _IterableBase):
         share = consumer_share(self.order(), self._start, consumer, consumers)
         self._consumers = consumers
         ahead = _shards_in_order(self.files.shard[share]) if self.lookahead else []
+        worker, workers = _worker()
         current, position = -1, 0
         try:
             for row in share:
@@ -114,7 +115,7 @@ class PackedIterableDataset(_Packed, _IterableBase):
                     current = shard
                     while position < len(ahead) and ahead[position] != shard:
                         position += 1
-                    if self.files.in_mount:
+                    if self.files.in_mount and shard % workers == worker:   # one worker per shard
                         self.files.touch(shard, whole=True)
                     for nxt in ahead[position + 1:position + 1 + self.lookahead]:
                         self.files.touch(nxt)

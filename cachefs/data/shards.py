@@ -58,14 +58,15 @@ class ShardFiles:
         return self._checked(row, data)
 
     def touch(self, shard: int, *, whole: bool = False) -> None:
-        """Start fetching shard ``shard`` without waiting, in a helper thread. ``whole``: ask the
-        kernel to read all of it into the page cache (the shard being read: its samples are then
-        page-cache hits, as with a mapping, but a failed read is dropped there instead of a
-        SIGBUS). Otherwise a shard read next: in a cachefs mount its first read warms all of it
-        in the background (``--shard-warm``); in a local directory the kernel reads it ahead."""
+        """Start fetching shard ``shard`` without waiting, in a helper thread. In a local directory
+        the kernel is asked to read it ahead. In a cachefs mount: ``whole`` reads all of it in
+        order into the kernel page cache (the shard being read: its samples are then page-cache
+        hits, as with a mapping, but a failed read is only a stop here, never a SIGBUS; the
+        kernel's own WILLNEED advice reads just one readahead window ahead); otherwise one byte,
+        which in a mount starts the daemon's warm of the whole shard (``--shard-warm``)."""
         if self._toucher is None or self._toucher[0] != os.getpid():   # none yet, or a forked worker
             self._toucher = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cachefs-shard-touch"))
-        self._toucher[1].submit(self._touch, shard, whole or not self.in_mount)
+        self._toucher[1].submit(self._touch, shard, whole)
 
     def _touch(self, shard: int, whole: bool) -> None:
         try:
@@ -73,8 +74,13 @@ class ShardFiles:
         except OSError:
             return                    # the read of its first sample reports the problem
         try:
-            if whole:
+            if not self.in_mount:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            elif whole:
+                buffer = bytearray(1 << 20)
+                offset = 0
+                while (got := os.preadv(fd, [buffer], offset)) > 0:    # releases the GIL
+                    offset += got
             else:
                 os.pread(fd, 1, 0)
         except OSError:
