@@ -70,4 +70,9 @@ def _warmup_lines(w: dict | None) -> list[str]:
                      f"{r['failed_files']} failed")
     if w.get("pinned"):
         lines.append(f"  pinned  {len(w['pinned'])} dataset(s), {sum(w['pinned'].values())} blocks")
+    shards = w.get("shard_warm")
+    if shards and shards["shards"]:
+        lines.append(f"  shards  {shards['shards']} read, {size(shards['bytes'])} warmed whole or queued "
+                     f"({shards['running']} running, {shards['queued']} queued, {shards['over_budget']} over "
+                     f"the {size(shards['budget'])} budget)")
     return lines
