@@ -6,6 +6,7 @@ not met / n/a. Tiny sizes on the moto server: seconds, no timing asserted."""
 
 import os
 import random
+import time
 from pathlib import Path
 
 import boto3
@@ -106,6 +107,10 @@ def test_a_mount_rows_get_count_is_the_gets_the_server_got(s3_server, packed, tm
             os.stat(mnt.mountpoint / e.path)
         before, requests = bench_packed.gets(mnt), proxy.stats()["requests"]
         result = readers.read_files("packed", mnt.mountpoint, entries, 4)
+        deadline = time.monotonic() + 30          # the shard warms the epoch started: finished
+        while mnt.status()["warmup"]["running"] or (mnt.status()["warmup"]["shard_warm"] or {}).get("queued"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         got = bench_packed.gets(mnt) - before
         assert (result.tally.files, result.tally.bytes, result.ok) == (40, sum(e.size for e in entries), True)
         assert got == proxy.stats()["requests"] - requests

@@ -201,7 +201,7 @@ def test_the_first_read_of_a_shard_warms_all_of_it(s3_server, proxied, mount_fac
     assert len(by_shard) >= 3
     sizes = pq.read_table(mnt / PACKED / json.loads((mnt / PACKED / "manifest.json").read_bytes())
                           ["index_shards"]).column("bytes").to_pylist()
-    gets = mnt.requests("get")
+    gets, heads = mnt.requests("get"), mnt.requests("head")
     first = sorted(by_shard[1])[0]
     assert (mnt / first).read_bytes() == files[first]           # one file of shard 1 ...
     state = wait_shard_warms(mnt, 1)
@@ -209,6 +209,7 @@ def test_the_first_read_of_a_shard_warms_all_of_it(s3_server, proxied, mount_fac
     shown = cachefs("status", str(mnt.path))
     assert shown.returncode == 0 and "  shards  1 read, " in shown.stdout, shown.stdout
     assert mnt.requests("get") - gets == -(-sizes[1] // BLOCK)    # ... fetched all of it, each block once
+    assert mnt.requests("head") == heads                        # (its ETag is in the shards table)
     proxy.refuse(True)                                          # every file of shard 1 from the cache
     assert all((mnt / p).read_bytes() == files[p] for p in by_shard[1])
     with pytest.raises(OSError) as info:                        # the other shards were left alone
