@@ -20,6 +20,14 @@ from cachefs.launcher import process_alive
 CACHEFS = [sys.executable, "-m", "cachefs"]
 
 
+def interruptible() -> None:
+    """``preexec_fn`` for a child a test sends Ctrl-C (SIGINT): its default action back. A shell
+    without job control starts background commands with SIGINT ignored, the ignore is inherited
+    across exec, and Python then installs no KeyboardInterrupt handler: the child would never
+    see the Ctrl-C the test sends (the test suite run in the background hit exactly this)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def require_fuse() -> None:
     if os.path.exists("/dev/fuse"):
         return

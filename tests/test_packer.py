@@ -26,7 +26,7 @@ from packer.options import PackOptions
 from packer.progress import Progress
 from packer.source import check_names
 from packer.stores import local_root, to_url
-from tests.mounts import put_tree
+from tests.mounts import interruptible, put_tree
 
 
 @pytest.fixture(autouse=True)
@@ -393,7 +393,8 @@ def test_ctrl_c_exits_130_publishes_nothing_and_a_rerun_finishes_the_same_pack(t
     command = [sys.executable, "-c", "import sys; from cachefs.cli import main; sys.exit(main(sys.argv[1:]))",
                "pack", "--json", "--concurrency", "2", "--shard-size", "16K",
                str(tmp_path / "src"), str(tmp_path / "dst")]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+                            preexec_fn=interruptible)
     try:
         for line in proc.stdout:
             event = json.loads(line)

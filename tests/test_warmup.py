@@ -10,7 +10,7 @@ import time
 from urllib.parse import urlparse
 
 import pytest
-from mounts import CACHEFS, cachefs, put_tree
+from mounts import CACHEFS, cachefs, interruptible, put_tree
 
 from benchmarks.latency_proxy import LatencyProxy
 from cachefs.demo.local_s3 import s3_client
@@ -160,7 +160,7 @@ def test_ctrl_c_stops_and_a_rerun_fetches_only_the_rest(proxied, mount_factory):
     os.listdir(mnt / "ds")
     proxy.set_latency(0.2)                      # >= 12 s for all 120: Ctrl-C comes long before
     proc = subprocess.Popen([*CACHEFS, "warmup", "--json", "--concurrency", "2", str(mnt / "ds")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     for line in proc.stdout:
         reply = json.loads(line)
         if reply.get("done_files", 0) >= 10:
