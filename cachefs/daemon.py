@@ -194,7 +194,7 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                 log.info("cachefs %s mounted %s at %s (cache %s)", __version__, cfg.url, cfg.mountpoint,
                          cfg.cache_dir)
                 nursery.start_soon(_tune_then_ready, cfg, on_ready)
-                await pyfuse3.main(min_tasks=4, max_tasks=256)
+                await pyfuse3.main(min_tasks=32, max_tasks=256)
             unmount = stop.signalled     # otherwise the kernel side already unmounted
         finally:
             if daemon.exporter is not None:

@@ -257,6 +257,29 @@ def test_status_command_human_and_json(loaded, mount_factory):
     assert status["tiers"]["disk"]["used_bytes"] > 0
 
 
+def test_small_cold_files_are_fetched_at_open_and_need_no_read(loaded, mount_factory):
+    """A small file no tier holds is fetched by its open (one GET) and pushed into the kernel page
+    cache: the READ round trip that would carry the GET never happens, and the bytes are right."""
+    import urllib.request
+
+    from cachefs.demo.local_s3 import free_port
+    server, bucket, files, _ = loaded
+    small = {p: d for p, d in files.items() if p.startswith("train/") and d}
+    port = free_port()
+    mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server), "--metrics-port", str(port)).start()
+
+    def fuse_reads() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        found = [ln for ln in text.splitlines() if ln.startswith('cachefs_fuse_operations_total{op="read"}')]
+        return float(found[0].split()[-1]) if found else 0.0
+
+    gets = mnt.requests("get")         # reads the control file: before the READ count is taken
+    before = fuse_reads()
+    assert all((mnt / p).read_bytes() == d for p, d in small.items())
+    assert fuse_reads() == before
+    assert mnt.requests("get") - gets == len(small)
+
+
 def test_small_cached_files_are_preloaded_at_open(loaded, mount_factory):
     """A small file on the disk tier is pushed into the kernel page cache at open (notify_store):
     the reader gets the right bytes and the kernel sends no READ request for it."""

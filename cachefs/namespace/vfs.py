@@ -293,7 +293,7 @@ class Vfs:
             return await self.packed.preload(handle.node.packed, handle.stream)
         if handle.file is None or handle.node.staged is not None:
             return None
-        return await self.blocks.preload(handle.file)
+        return await self.blocks.preload(handle.file, handle.stream)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]

@@ -151,17 +151,27 @@ class Tiers:
         self.metrics.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def preload(self, f: FileVersion) -> bytes | None:
-        """The whole content of a small file whose one block is on the disk tier (read in a
-        worker thread if its cache file is cold), for the FUSE adapter to hand to the kernel at
-        open: the READ request that would follow never happens. None otherwise."""
-        if self.disk is None or not 0 < f.size <= min(self.block_size, PRELOAD_MAX):
+    async def preload(self, f: FileVersion, stream: Stream | None = None) -> bytes | None:
+        """The whole content of a small file (one block, at most PRELOAD_MAX), for the FUSE adapter
+        to hand to the kernel at open: the READ request that would follow never happens. From the
+        disk tier (a worker thread reads a cold cache file), or fetched when no tier holds it (the
+        GET a READ would have sent, one FUSE round trip sooner). None when the memory tier holds it
+        (a READ is served from memory at once), or when the GET fails: the READ then fetches again
+        and its error is the reader's."""
+        if not 0 < f.size <= min(self.block_size, PRELOAD_MAX):
             return None
         key = self.key(f, 0)
-        if self.memory.contains(key) or not self.disk.contains(key):
+        if self.memory.contains(key):
             return None
-        data = await self.disk.read_async(key, 0, f.size)
-        return data if data is not None and len(data) == f.size else None
+        if self.disk is not None and self.disk.contains(key):
+            data = await self.disk.read_async(key, 0, f.size)
+            return data if data is not None and len(data) == f.size else None
+        try:
+            data = await self.read(f, 0, f.size, stream)
+        except StoreError as exc:
+            log.debug("fetching %s at open failed (the read will try again): %s", f.path, exc)
+            return None
+        return data if len(data) == f.size else None
 
     async def _read_block(self, f: FileVersion, index: int, lo: int, hi: int) -> bytes:
         key = self.key(f, index)
