@@ -129,6 +129,32 @@ def test_open_shard_files_are_bounded_and_closed(packed):
     assert not ds.files._fds and ds[0] == sorted(files.items())[0]
 
 
+def test_close_stops_a_whole_shard_read_and_closes_its_file(packed, tmp_path):
+    """In a mount the helper thread reads the entered shard whole; close() must leave no file of
+    the dataset open (else the mount cannot be unmounted: EBUSY), even mid-read. A shard made an
+    8 GiB sparse file stands in for a slow one."""
+    import time
+    root, _ = packed
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    ds = PackedDataset(copy)
+    ds.files.in_mount = True                      # take the mount's path: the whole-shard read
+    shard = copy / "shards" / ds.index.shards.column("name")[0].as_py()
+    os.truncate(shard, 8 << 30)
+
+    def open_on_shard() -> bool:
+        fds = Path("/proc/self/fd")
+        return any(os.path.realpath(fd) == str(shard.resolve()) for fd in fds.iterdir() if fd.is_symlink())
+
+    ds.files.touch(0, whole=True)
+    deadline = time.monotonic() + 10
+    while not open_on_shard():                    # the helper has the shard open and is reading it
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    ds.close()
+    assert not open_on_shard()
+
+
 def test_a_corrupted_shard_raises_instead_of_yielding_wrong_bytes(packed, tmp_path):
     root, files = packed
     copy = tmp_path / "copy"

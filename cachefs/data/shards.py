@@ -4,6 +4,7 @@ Open files and mappings belong to one process (DataLoader workers fork) and are 
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,7 @@ class ShardFiles:
         self._pid = os.getpid()
         self._mapped: tuple[int, mmap.mmap] | None = None
         self._toucher: tuple[int, ThreadPoolExecutor] | None = None    # (pid, its helper thread)
+        self._stop = threading.Event()        # set by close: a whole-shard read stops between reads
         self.in_mount = root.name == PACKED_DIR
         # A failed read of a mapped page is SIGBUS: the training process would die where a read
         # through a mount (whose store can fail) must be an OSError. Mount: pread; local: mmap.
@@ -66,9 +68,10 @@ class ShardFiles:
         which in a mount starts the daemon's warm of the whole shard (``--shard-warm``)."""
         if self._toucher is None or self._toucher[0] != os.getpid():   # none yet, or a forked worker
             self._toucher = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cachefs-shard-touch"))
-        self._toucher[1].submit(self._touch, shard, whole)
+            self._stop = threading.Event()
+        self._toucher[1].submit(self._touch, shard, whole, self._stop)
 
-    def _touch(self, shard: int, whole: bool) -> None:
+    def _touch(self, shard: int, whole: bool, stop: threading.Event) -> None:
         try:
             fd = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
         except OSError:
@@ -79,7 +82,7 @@ class ShardFiles:
             elif whole:
                 buffer = bytearray(1 << 20)
                 offset = 0
-                while (got := os.preadv(fd, [buffer], offset)) > 0:    # releases the GIL
+                while not stop.is_set() and (got := os.preadv(fd, [buffer], offset)) > 0:   # releases the GIL
                     offset += got
             else:
                 os.pread(fd, 1, 0)
@@ -123,10 +126,12 @@ class ShardFiles:
         return data
 
     def close(self) -> None:
-        """Close this process's mapping and files (a mount can then be unmounted)."""
+        """Close this process's mapping and files (a mount can then be unmounted): a helper read
+        still running stops after its current 1 MiB and is waited for, its file closed."""
         self.release()
         if self._toucher is not None and self._toucher[0] == os.getpid():
-            self._toucher[1].shutdown(wait=False, cancel_futures=True)
+            self._stop.set()
+            self._toucher[1].shutdown(wait=True, cancel_futures=True)
         self._toucher = None
         if self._pid == os.getpid():
             for fd in self._fds.values():
