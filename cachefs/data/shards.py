@@ -71,7 +71,7 @@ class ShardFiles:
             self._stop = threading.Event()
         self._toucher[1].submit(self._touch, shard, whole, self._stop)
 
-    def _touch(self, shard: int, whole: bool, stop: threading.Event) -> None:
+    def _touch(self, shard: int, whole: bool, stop: threading.Event | None = None) -> None:
         try:
             fd = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
         except OSError:
@@ -82,7 +82,7 @@ class ShardFiles:
             elif whole:
                 buffer = bytearray(1 << 20)
                 offset = 0
-                while not stop.is_set() and (got := os.preadv(fd, [buffer], offset)) > 0:   # releases the GIL
+                while not (stop and stop.is_set()) and (got := os.preadv(fd, [buffer], offset)) > 0:  # no GIL
                     offset += got
             else:
                 os.pread(fd, 1, 0)
@@ -125,13 +125,13 @@ class ShardFiles:
             raise CorruptRecord(f"shard {name}: file row {row} fails its crc32c (corrupt or truncated shard)")
         return data
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
         """Close this process's mapping and files (a mount can then be unmounted): a helper read
-        still running stops after its current 1 MiB and is waited for, its file closed."""
+        still running stops after its current 1 MiB and, with ``wait``, is waited for."""
         self.release()
         if self._toucher is not None and self._toucher[0] == os.getpid():
             self._stop.set()
-            self._toucher[1].shutdown(wait=True, cancel_futures=True)
+            self._toucher[1].shutdown(wait=wait, cancel_futures=True)
         self._toucher = None
         if self._pid == os.getpid():
             for fd in self._fds.values():
@@ -140,6 +140,6 @@ class ShardFiles:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self.close(wait=False)     # may run in the helper thread itself: it cannot join itself
         except (OSError, AttributeError, TypeError):
             pass   # interpreter shutdown or a half-built object: nothing left to close
