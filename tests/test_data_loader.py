@@ -5,6 +5,7 @@ crc mismatches raised, and torch DataLoader workers."""
 import hashlib
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -240,5 +241,5 @@ def test_each_shard_is_fetched_ahead_and_in_a_mount_read_whole_ahead(packed, mon
         read = []
         real = os.preadv
         monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: read.append(n := real(fd, bufs, off)) or n)
-        ds.files._touch(order[0], True)
+        ds.files._touch(order[0], True, threading.Event())
         assert sum(read) == sizes[ds.files.names[order[0]]] > 0      # read to the end

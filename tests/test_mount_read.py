@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,13 @@ def s3_args(server, *extra):
 
 def blocks_of(data: bytes) -> int:
     return (len(data) + BLOCK - 1) // BLOCK
+
+
+def fuse_reads(port: int) -> float:
+    """READ requests the daemon answered so far (its metrics endpoint on ``port``)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    found = [ln for ln in text.splitlines() if ln.startswith('cachefs_fuse_operations_total{op="read"}')]
+    return float(found[0].split()[-1]) if found else 0.0
 
 
 def wait_for(predicate, timeout: float = 20.0) -> None:
@@ -239,7 +247,6 @@ def test_sequential_large_read_triggers_readahead(loaded, mount_factory):
     with open(mnt / "big.bin", "rb") as fh:
         got = b"".join(iter(lambda: fh.read(128 * 1024), b""))
     assert got == files["big.bin"]
-    import urllib.request  # noqa: F401  (metrics are checked through status here)
     assert mnt.requests("get") == (len(files["big.bin"]) + BLOCK - 1) // BLOCK   # each block once
 
 
@@ -260,31 +267,22 @@ def test_status_command_human_and_json(loaded, mount_factory):
 def test_small_cold_files_are_fetched_at_open_and_need_no_read(loaded, mount_factory):
     """A small file no tier holds is fetched by its open (one GET) and pushed into the kernel page
     cache: the READ round trip that would carry the GET never happens, and the bytes are right."""
-    import urllib.request
-
     from cachefs.demo.local_s3 import free_port
     server, bucket, files, _ = loaded
     small = {p: d for p, d in files.items() if p.startswith("train/") and d}
     port = free_port()
     mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server), "--metrics-port", str(port)).start()
 
-    def fuse_reads() -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        found = [ln for ln in text.splitlines() if ln.startswith('cachefs_fuse_operations_total{op="read"}')]
-        return float(found[0].split()[-1]) if found else 0.0
-
     gets = mnt.requests("get")         # reads the control file: before the READ count is taken
-    before = fuse_reads()
+    before = fuse_reads(port)
     assert all((mnt / p).read_bytes() == d for p, d in small.items())
-    assert fuse_reads() == before
+    assert fuse_reads(port) == before
     assert mnt.requests("get") - gets == len(small)
 
 
 def test_small_cached_files_are_preloaded_at_open(loaded, mount_factory):
     """A small file on the disk tier is pushed into the kernel page cache at open (notify_store):
     the reader gets the right bytes and the kernel sends no READ request for it."""
-    import urllib.request
-
     from cachefs.demo.local_s3 import free_port
     server, bucket, files, _ = loaded
     small = {p: d for p, d in files.items() if p.startswith("train/") and d}
@@ -295,12 +293,7 @@ def test_small_cached_files_are_preloaded_at_open(loaded, mount_factory):
     mnt.args += ["--metrics-port", str(port)]        # the later flag wins over the fixture's 0
     mnt.start()
 
-    def fuse_reads() -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        found = [ln for ln in text.splitlines() if ln.startswith('cachefs_fuse_operations_total{op="read"}')]
-        return float(found[0].split()[-1]) if found else 0.0
-
-    before = fuse_reads()        # the fixture's status call reads the control file
+    before = fuse_reads(port)        # the fixture's status call reads the control file
     assert all((mnt / p).read_bytes() == d for p, d in small.items())
-    assert fuse_reads() == before
+    assert fuse_reads(port) == before
     assert mnt.requests("get") == 0

@@ -29,8 +29,8 @@ class ShardFiles:
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
         self._mapped: tuple[int, mmap.mmap] | None = None
-        self._toucher: tuple[int, ThreadPoolExecutor] | None = None    # (pid, its helper thread)
-        self._stop = threading.Event()        # set by close: a whole-shard read stops between reads
+        # (pid, its helper thread, the event close sets: a whole-shard read stops between reads)
+        self._toucher: tuple[int, ThreadPoolExecutor, threading.Event] | None = None
         self.in_mount = root.name == PACKED_DIR
         # A failed read of a mapped page is SIGBUS: the training process would die where a read
         # through a mount (whose store can fail) must be an OSError. Mount: pread; local: mmap.
@@ -67,11 +67,11 @@ class ShardFiles:
         kernel's own WILLNEED advice reads just one readahead window ahead); otherwise one byte,
         which in a mount starts the daemon's warm of the whole shard (``--shard-warm``)."""
         if self._toucher is None or self._toucher[0] != os.getpid():   # none yet, or a forked worker
-            self._toucher = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cachefs-shard-touch"))
-            self._stop = threading.Event()
-        self._toucher[1].submit(self._touch, shard, whole, self._stop)
+            self._toucher = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cachefs-shard-touch"),
+                             threading.Event())
+        self._toucher[1].submit(self._touch, shard, whole, self._toucher[2])
 
-    def _touch(self, shard: int, whole: bool, stop: threading.Event | None = None) -> None:
+    def _touch(self, shard: int, whole: bool, stop: threading.Event) -> None:
         try:
             fd = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
         except OSError:
@@ -82,7 +82,7 @@ class ShardFiles:
             elif whole:
                 buffer = bytearray(1 << 20)
                 offset = 0
-                while not (stop and stop.is_set()) and (got := os.preadv(fd, [buffer], offset)) > 0:  # no GIL
+                while not stop.is_set() and (got := os.preadv(fd, [buffer], offset)) > 0:   # releases the GIL
                     offset += got
             else:
                 os.pread(fd, 1, 0)
@@ -130,7 +130,7 @@ class ShardFiles:
         still running stops after its current 1 MiB and, with ``wait``, is waited for."""
         self.release()
         if self._toucher is not None and self._toucher[0] == os.getpid():
-            self._stop.set()
+            self._toucher[2].set()
             self._toucher[1].shutdown(wait=wait, cancel_futures=True)
         self._toucher = None
         if self._pid == os.getpid():
