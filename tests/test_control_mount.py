@@ -20,6 +20,20 @@ FILES = {f"ds/f{i}.bin": bytes([i]) * (20_000 + i) for i in range(6)}
 
 
 @pytest.fixture
+def checkout_reachable_by_other_users():
+    """These tests run cachefs as other users: they need this checkout (the package is installed
+    from it in editable mode) readable by them. A clone under a 0700 directory (mktemp -d, a
+    private home) is not: say so, instead of failing later with "No module named cachefs"."""
+    import os
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    closed = [d for d in (root, *root.parents) if not os.stat(d).st_mode & 0o001]
+    assert not closed, (f"{closed[-1]} is not traversable by other users (mode "
+                        f"{oct(os.stat(closed[-1]).st_mode & 0o777)}): these tests run cachefs as uid 65534 "
+                        f"and 1234 from this checkout; clone it under a directory others can traverse")
+
+
+@pytest.fixture
 def dataset(s3_server, bucket):
     put_tree(s3_client(s3_server.endpoint_url), bucket, "", FILES)
     return s3_server, bucket
@@ -51,7 +65,8 @@ def cached_files(mnt) -> int:
     return json.loads(result.stdout.splitlines()[-1])["cached_files"]
 
 
-def test_other_users_may_read_status_but_not_change_the_cache(dataset, public_dir, mount_factory):
+def test_other_users_may_read_status_but_not_change_the_cache(checkout_reachable_by_other_users, dataset,
+                                                                public_dir, mount_factory):
     mnt = mount(dataset, mount_factory, public_dir)          # mounted by root: root is the owner
     assert cachefs("warmup", str(mnt / "ds")).returncode == 0
     assert cached_files(mnt) == len(FILES)
@@ -81,7 +96,7 @@ def test_other_users_may_read_status_but_not_change_the_cache(dataset, public_di
     assert cached_files(mnt) == 0
 
 
-def test_the_mounts_owner_may_change_it(dataset, public_dir, mount_factory):
+def test_the_mounts_owner_may_change_it(checkout_reachable_by_other_users, dataset, public_dir, mount_factory):
     mnt = mount(dataset, mount_factory, public_dir, "--uid", "1234", "--gid", "2345")
     assert hello(str(mnt.path))["may_change"] is True        # root
     warm = as_user(OWNER, "warmup", str(mnt / "ds"), cwd=public_dir)
