@@ -90,6 +90,8 @@ class MountConfig:
         "help": "most bytes --prefetch-dataset or --shard-warm warms (0: half the disk tier)", "size": True})
     shard_warm: bool = field(default=True, metadata={
         "help": "packed datasets: the first read of a shard warms all of it in the background"})
+    readahead_at_lookup: bool = field(default=True, metadata={
+        "help": "a lookup of a small file no tier holds starts its GET (the open that follows joins it)"})
     readahead_size: int = field(default=32 << 20, metadata={
         "help": "largest readahead window of a sequential reader", "size": True})
     max_fetches: int = field(default=32, metadata={"help": "concurrent object-store GETs for reads"})

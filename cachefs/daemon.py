@@ -63,7 +63,8 @@ class Daemon:
         self.tiers = Tiers(store, self.memory, self.disk, metrics, block_size=cfg.block_size,
                            readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
                            max_readaheads=cfg.max_prefetches, hedger=Hedger(HedgePolicy(
-                               cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay), metrics))
+                               cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay), metrics),
+                           readahead_at_lookup=cfg.readahead_at_lookup)
         # a packed dataset (cachefs pack): its index is the listing; read-only, immutable while mounted
         self.packed = PackedView(store, *packed, self.tiers, metrics) if packed is not None else None
         immutable = cfg.immutable or self.packed is not None

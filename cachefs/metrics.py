@@ -55,6 +55,8 @@ class Metrics:
                                              ["kind"], registry=r)
         self.readahead_blocks = Counter("cachefs_readahead_blocks", "Blocks fetched ahead by readahead",
                                         registry=r)
+        self.lookup_readaheads = Counter("cachefs_lookup_readaheads",
+                                         "Small files whose GET a lookup started (the open joins it)", registry=r)
         self.singleflight_joins = Counter("cachefs_singleflight_joins",
                                           "Reads that joined an in-flight download", registry=r)
         self.fuse_ops = Counter("cachefs_fuse_operations", "FUSE operations", ["op"], registry=r)

@@ -48,11 +48,16 @@ def blocks_of(data: bytes) -> int:
     return (len(data) + BLOCK - 1) // BLOCK
 
 
-def fuse_reads(port: int) -> float:
-    """READ requests the daemon answered so far (its metrics endpoint on ``port``)."""
+def metric(port: int, series: str) -> float:
+    """One series of the daemon's metrics endpoint on ``port`` (0 when absent)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    found = [ln for ln in text.splitlines() if ln.startswith('cachefs_fuse_operations_total{op="read"}')]
+    found = [ln for ln in text.splitlines() if ln.startswith(series + " ")]
     return float(found[0].split()[-1]) if found else 0.0
+
+
+def fuse_reads(port: int) -> float:
+    """READ requests the daemon answered so far."""
+    return metric(port, 'cachefs_fuse_operations_total{op="read"}')
 
 
 def wait_for(predicate, timeout: float = 20.0) -> None:
@@ -277,6 +282,35 @@ def test_small_cold_files_are_fetched_at_open_and_need_no_read(loaded, mount_fac
     before = fuse_reads(port)
     assert all((mnt / p).read_bytes() == d for p, d in small.items())
     assert fuse_reads(port) == before
+    assert mnt.requests("get") - gets == len(small)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_lookup_starts_the_get_of_a_small_cold_file(loaded, mount_factory, enabled):
+    """A lookup of a small file no tier holds starts its GET (readahead at lookup): the open that
+    follows joins it, so each file still costs one GET and no READ. ``--no-readahead-at-lookup``
+    leaves a lookup without GETs (a stat fetches nothing)."""
+    from cachefs.demo.local_s3 import free_port
+    server, bucket, files, _ = loaded
+    small = {p: d for p, d in files.items() if p.startswith("train/") and d}
+    port = free_port()
+    flags = () if enabled else ("--no-readahead-at-lookup",)
+    mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server), "--metrics-port", str(port), *flags).start()
+
+    gets = mnt.requests("get")
+    for p in small:
+        (mnt / p).stat()                    # a LOOKUP each (nothing listed the folder)
+    if enabled:
+        wait_for(lambda: mnt.requests("get") - gets == len(small))
+        assert metric(port, "cachefs_lookup_readaheads_total") == len(small)
+    else:
+        import time
+        time.sleep(0.5)
+        assert mnt.requests("get") == gets
+        assert metric(port, "cachefs_lookup_readaheads_total") == 0
+    reads = fuse_reads(port)
+    assert all((mnt / p).read_bytes() == d for p, d in small.items())
+    assert fuse_reads(port) == reads
     assert mnt.requests("get") - gets == len(small)
 
 

@@ -171,6 +171,8 @@ class Vfs:
             raise FsError(errno.ENOTDIR)
         node = await self.child(parent, name)
         self.remember(node)
+        if node.is_store_file and node.kernel_etag != node.etag and self.packed is None and self.is_fresh(node.checked_at):
+            self.blocks.readahead_file(FileVersion(node.path, node.etag, node.size))   # an open comes next
         return node
 
     async def child(self, parent: Node, name: str) -> Node:

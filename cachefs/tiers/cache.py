@@ -85,7 +85,7 @@ class Stream:
 class Tiers:
     def __init__(self, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
                  block_size: int, readahead_size: int, max_fetches: int, max_readaheads: int,
-                 hedger: Hedger | None = None) -> None:
+                 hedger: Hedger | None = None, readahead_at_lookup: bool = False) -> None:
         self.store = store
         self.memory = memory
         self.disk = disk
@@ -95,6 +95,7 @@ class Tiers:
         self._fetch_limiter = trio.CapacityLimiter(max_fetches)
         self._readahead_limiter = trio.CapacityLimiter(max_readaheads)   # never queues a reader
         self._readahead_slots = max_readaheads
+        self.readahead_at_lookup = readahead_at_lookup
         self._readaheads = 0
         self._flights = SingleFlight(on_join=metrics.singleflight_joins.inc)
         self._nursery: trio.Nursery | None = None
@@ -229,12 +230,31 @@ class Tiers:
             self._readaheads += 1
             self._nursery.start_soon(self._readahead_block, f, key)
 
-    async def _readahead_block(self, f: FileVersion, key: BlockKey) -> None:
+    def readahead_file(self, f: FileVersion) -> bool:
+        """A small file (one block, at most PRELOAD_MAX) was looked up and no tier holds it:
+        start its GET now, so the open that follows (and fetches it, see ``preload``) joins a GET
+        already under way instead of sending one a FUSE round trip later. Dropped when the
+        readahead slots are full; the block is not kept in memory (the open hands it to the
+        kernel). True when a GET was started."""
+        if not self.readahead_at_lookup or self._nursery is None or not 0 < f.size <= min(self.block_size, PRELOAD_MAX):
+            return False
+        key = self.key(f, 0)
+        if self.is_cached(key) or (self.disk is not None and self.disk.filling(key)):
+            return False
+        if self._readaheads >= self._readahead_slots:
+            self.metrics.dropped_fills.labels("readahead", "queue_full").inc()
+            return False
+        self._readaheads += 1
+        self._nursery.start_soon(self._readahead_block, f, key, False)
+        self.metrics.lookup_readaheads.inc()
+        return True
+
+    async def _readahead_block(self, f: FileVersion, key: BlockKey, keep: bool = True) -> None:
         try:
             if self.disk is not None and self.disk.contains(key):
                 await self.disk.readahead(key)     # the kernel reads the cache file ahead
                 return
-            await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter))
+            await self._flights.do(key, lambda: self._fetch(f, key, keep, self._readahead_limiter))
             self.metrics.readahead_blocks.inc()
         except StoreError as exc:
             log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
