@@ -90,6 +90,9 @@ class MountConfig:
         "help": "most bytes --prefetch-dataset or --shard-warm warms (0: half the disk tier)", "size": True})
     shard_warm: bool = field(default=True, metadata={
         "help": "packed datasets: the first read of a shard warms all of it in the background"})
+    list_ahead: int = field(default=100_000, metadata={
+        "help": "at mount, list up to this many objects in one recursive listing in the background, "
+                "so folders are listed before their first lookup (0: off)"})
     readahead_at_lookup: bool = field(default=True, metadata={
         "help": "a lookup of a small file no tier holds starts its GET (the open that follows joins it)"})
     readahead_size: int = field(default=32 << 20, metadata={
@@ -201,6 +204,7 @@ def _validate(cfg: MountConfig) -> None:
     need(64 << 10 <= cfg.block_size <= 64 << 20 and cfg.block_size % 4096 == 0,
          "block_size must be a multiple of 4K between 64K and 64M")
     need(cfg.metadata_ttl >= 0, "metadata_ttl must be >= 0")
+    need(cfg.list_ahead >= 0, "list_ahead must be >= 0")
     for name in ("max_fetches", "max_prefetches", "max_connections", "max_attempts", "fill_workers",
                  "fuse_read_ahead_kb", "fuse_max_background"):
         need(getattr(cfg, name) >= 1, f"{name} must be >= 1")

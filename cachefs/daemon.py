@@ -26,6 +26,7 @@ from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointE
 from cachefs.fuse_ops import Operations
 from cachefs.host import CacheDirLock, check_fuse, check_mountpoint, tune_kernel, tune_malloc
 from cachefs.metrics import Exporter, Metrics
+from cachefs.namespace.listahead import list_ahead
 from cachefs.namespace.packed import PackedView, open_packed
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
@@ -195,6 +196,8 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                 log.info("cachefs %s mounted %s at %s (cache %s)", __version__, cfg.url, cfg.mountpoint,
                          cfg.cache_dir)
                 nursery.start_soon(_tune_then_ready, cfg, on_ready)
+                if cfg.list_ahead and daemon.packed is None:
+                    nursery.start_soon(list_ahead, daemon.vfs, daemon.store, cfg.list_ahead)
                 await pyfuse3.main(min_tasks=32, max_tasks=256)
             unmount = stop.signalled     # otherwise the kernel side already unmounted
         finally:

@@ -74,6 +74,13 @@ class Mount:
     def status(self) -> dict:
         return next(request(str(self.path), "status"))
 
+    def wait_listed_ahead(self, timeout: float = 30.0) -> None:
+        """Until the daemon logs that its listing ahead at mount (--list-ahead) is done."""
+        log, deadline = self.cache_dir / "cachefs.log", time.monotonic() + timeout
+        while "listed ahead" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, "the listing ahead did not finish"
+            time.sleep(0.05)
+
     def requests(self, op: str) -> int:
         """Object-store requests of one operation (get, head, list) so far, any status."""
         return sum(n for key, n in self.status()["store_requests"].items() if key.split()[0] == op)

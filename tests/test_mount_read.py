@@ -298,20 +298,37 @@ def test_a_lookup_starts_the_get_of_a_small_cold_file(loaded, mount_factory, ena
     mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server), "--metrics-port", str(port), *flags).start()
 
     gets = mnt.requests("get")
-    for p in small:
-        (mnt / p).stat()                    # a LOOKUP each (nothing listed the folder)
-    if enabled:
-        wait_for(lambda: mnt.requests("get") - gets == len(small))
-        assert metric(port, "cachefs_lookup_readaheads_total") == len(small)
-    else:
+    for done, p in enumerate(small, 1):
+        (mnt / p).stat()                    # a LOOKUP each (one at a time: the readahead slots are 8)
+        if enabled:
+            wait_for(lambda done=done: mnt.requests("get") - gets == done)
+    if not enabled:
         import time
         time.sleep(0.5)
         assert mnt.requests("get") == gets
-        assert metric(port, "cachefs_lookup_readaheads_total") == 0
+    assert metric(port, "cachefs_lookup_readaheads_total") == (len(small) if enabled else 0)
     reads = fuse_reads(port)
     assert all((mnt / p).read_bytes() == d for p, d in small.items())
     assert fuse_reads(port) == reads
     assert mnt.requests("get") - gets == len(small)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_folders_are_listed_ahead_at_mount(s3_server, bucket, mount_factory, ahead):
+    """One recursive listing at mount lists every folder (--list-ahead): a first lookup in each of
+    30 folders then sends no LIST, and the names and bytes are the store's. With --list-ahead 0,
+    each folder (and the root) costs a LIST at its first lookup."""
+    files = {f"c{c:02d}/f{i}": bytes([c, i]) * 50 for c in range(30) for i in range(3)}
+    files["c07/deeper/x"] = b"x"
+    client = s3_client(s3_server.endpoint_url)
+    put_tree(client, bucket, "ds", files)
+    mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(s3_server), "--list-ahead", "1000" if ahead else "0").start()
+    if ahead:
+        mnt.wait_listed_ahead()
+    lists = mnt.requests("list")
+    assert all((mnt / p).read_bytes() == d for p, d in files.items())
+    assert sorted(os.listdir(mnt / "c07")) == ["deeper", "f0", "f1", "f2"]
+    assert mnt.requests("list") - lists == (0 if ahead else 32)     # the root, 30 folders, c07/deeper
 
 
 def test_small_cached_files_are_preloaded_at_open(loaded, mount_factory):

@@ -139,16 +139,21 @@ def test_warm_remount_makes_zero_gets(rgw, loaded, mount_factory):
     assert mnt.requests("get") == 0, mnt.status()["store_requests"]
 
 
-def test_listing_of_more_than_1000_keys_is_paginated(rgw, client, bucket, mount_factory):
+@pytest.mark.parametrize("ahead", [False, True], ids=["per-folder", "list-ahead"])
+def test_listing_of_more_than_1000_keys_is_paginated(rgw, client, bucket, mount_factory, ahead):
+    """Per folder (two delimited pages) and ahead at mount (two recursive pages, --list-ahead):
+    RGW's pages at 1,000 keys give the same 1,100 names, the recursive ones with no LIST later."""
     names = [f"f{i:05d}" for i in range(1100)]
     put_all(client, bucket, {f"many/{name}": name.encode() for name in names})
     first = client.list_objects_v2(Bucket=bucket, Prefix="many/", Delimiter="/")
     assert first["IsTruncated"] and len(first["Contents"]) == 1000      # RGW pages at 1,000 keys
-    mnt = mount_factory(f"s3://{bucket}", *mount_args(rgw)).start()
+    mnt = mount_factory(f"s3://{bucket}", *mount_args(rgw), "--list-ahead", "100000" if ahead else "0").start()
+    if ahead:
+        mnt.wait_listed_ahead()
     assert (mnt / "many").is_dir()
     lists = mnt.requests("list")
     assert sorted(os.listdir(mnt / "many")) == names
-    assert mnt.requests("list") - lists == 2                            # two pages, continuation token
+    assert mnt.requests("list") - lists == (0 if ahead else 2)          # two pages, continuation token
     assert (mnt / "many/f01099").read_bytes() == b"f01099"
 
 

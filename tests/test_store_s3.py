@@ -85,6 +85,39 @@ def test_list_all_is_flat_paginated_and_skips_markers(big_bucket, make_store, me
     assert requests(metrics, "list", "200") == 3
 
 
+def test_list_tree_gives_each_directory_what_list_dir_gives_it(big_bucket, make_store, metrics):
+    """One recursive listing yields every reachable directory (markers, nesting and the names a
+    lookup cannot reach included) with exactly ``list_dir``'s listing, from 3 pages."""
+    store = make_store(big_bucket)
+    tree = dict(store.list_tree("", 1 << 20))
+    assert requests(metrics, "list", "200") == 3
+    assert sorted(tree) == ["", "big/", "big/empty/", "big/sub/", "big/sub/deeper/"]
+    for prefix, listing in tree.items():
+        direct = store.list_dir(prefix)
+        assert sorted(listing.files, key=str) == sorted(direct.files, key=str), prefix
+        assert sorted(listing.dirs) == sorted(direct.dirs), prefix
+    assert sorted(tree[""].dirs) == ["big"] and [f.path for f in tree[""].files] == ["top"]
+
+
+def test_list_tree_stops_at_its_limit_and_yields_only_complete_directories(big_bucket, make_store):
+    store = make_store(big_bucket)
+    tree = dict(store.list_tree("", 1000))       # "big/" is still open after 1,000 keys
+    assert sorted(tree) == ["big/empty/"]
+    assert tree["big/empty/"] == store.list_dir("big/empty/")
+
+
+def test_list_tree_refuses_keys_out_of_order(make_store, bucket):
+    """Completeness rests on sorted keys: a server that breaks the order is an error, not a listing
+    that silently misses files."""
+    import datetime
+    store = make_store(bucket)
+    now = datetime.datetime.now(datetime.UTC)
+    page = {"Contents": [{"Key": k, "Size": 1, "ETag": '"e"', "LastModified": now} for k in ("b/x", "a/y")]}
+    store._pages = lambda full, delimiter: iter([page])
+    with pytest.raises(BadResponse, match="out of order"):
+        dict(store.list_tree("", 100))
+
+
 ODD_KEYS = ["odd/a b.jpg", "odd/plus+sign", "odd/100%.txt", "odd/été/ünï.bin", "odd/q?x=1&y", "odd/tab\tname",
             "odd/amp&lt;", "odd/sub dir/x"]
 

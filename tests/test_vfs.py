@@ -363,3 +363,29 @@ def test_a_failed_read_is_logged_once(bucket_mem, caplog):
         trio.run(main)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, [r.getMessage() for r in errors]
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_listing_ahead_lists_every_folder_and_a_failure_drops_what_it_gave(bucket_mem, fail):
+    """Listings found ahead (``listahead.py``) serve the first lookups with no LIST of their own;
+    if the recursive listing fails part way, the folders it gave are listed again on demand."""
+    from cachefs.namespace.listahead import list_ahead
+    store = bucket_mem.store()
+    vfs = make_vfs(store)
+
+    def list_tree(prefix, limit):
+        for done, path in enumerate(["d/e/", "d/", ""]):
+            if fail and done == 2:
+                raise Unreachable("the store went away")
+            yield path, store.inner.list_dir(path)
+    store.list_tree = list_tree
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(vfs.blocks.run)
+            await list_ahead(vfs, store, 1000)
+            for path, data in TREE.items():
+                assert await open_read(vfs, path) == data
+            assert store.calls["list_dir"] == (3 if fail else 0)
+            nursery.cancel_scope.cancel()
+    trio.run(main)

@@ -7,6 +7,7 @@ a node is dropped when the kernel forgets it and no handle holds it open, never 
 import errno
 import itertools
 import os
+from dataclasses import dataclass
 
 from cachefs.errors import CachefsError
 from cachefs.store import ObjectInfo
@@ -23,6 +24,15 @@ class FsError(CachefsError):
     def __init__(self, code: int, message: str = "") -> None:
         super().__init__(message or os.strerror(code))
         self.errno = code
+
+
+@dataclass(frozen=True, slots=True)
+class FsStats:
+    """What ``statfs`` reports: staging space on a writable mount (None: read-only), inodes known."""
+
+    capacity: int | None
+    free: int
+    inodes: int
 
 
 class Node:

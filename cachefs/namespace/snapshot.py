@@ -199,6 +199,9 @@ def _parent(path: str) -> tuple[str, str]:
 class NoSnapshot:
     """No saved listings (a Vfs built without a snapshot): the mount's changes go nowhere."""
 
+    def save(self, dir_path: str, listing: Listing, listed_at: float) -> None:
+        pass
+
     def file_changed(self, path: str, info: ObjectInfo | None) -> None:
         pass
 

@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import trio
 
@@ -21,7 +20,7 @@ from cachefs.control.protocol import CONTROL_NAME
 from cachefs.errors import NoSuchKey, StoreError
 from cachefs.namespace.dirs import DirHandle, DirSource, DirState, dir_prefix, join, split
 from cachefs.namespace.handles import Handle
-from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, Node, NodeTable
+from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, FsStats, Node, NodeTable
 from cachefs.namespace.packed import PACKED_DIR, PackedView
 from cachefs.namespace.snapshot import ListingSnapshot, NoSnapshot
 from cachefs.singleflight import SingleFlight
@@ -38,15 +37,6 @@ log = logging.getLogger(__name__)
 
 OUTAGE_RETRY = 5.0      # seconds between revalidation attempts while the store is failing
 RENAME_NOREPLACE = 1
-
-
-@dataclass(frozen=True, slots=True)
-class FsStats:
-    """What ``statfs`` reports: staging space on a writable mount (None: read-only), inodes known."""
-
-    capacity: int | None
-    free: int
-    inodes: int
 
 
 class Vfs:
@@ -98,6 +88,18 @@ class Vfs:
                 if self.is_fresh(state.listed_at) and path not in self._replayed:   # see docs/writeback.md
                     return state
         return await self._listings.do(path, lambda: self._relist(path, state))
+
+    def install_listing(self, path: str, listing: Listing, listed_at: float) -> bool:
+        """A directory's listing found ahead (``listahead.py``): taken unless it has one already."""
+        if path in self._dirs or path in self._replayed or self._listings.in_flight(path):
+            return False
+        self._dirs[path] = DirState.from_listing(listing, listed_at)
+        self._saved.save(dir_prefix(path), listing, listed_at)
+        self._overlay(path, self._dirs[path])
+        return True
+
+    def drop_listings(self, paths: set[str]) -> None:
+        self._dirs = {path: state for path, state in self._dirs.items() if path not in paths}   # relisted
 
     async def _relist(self, path: str, stale: DirState | None) -> DirState:
         prefix = dir_prefix(path)

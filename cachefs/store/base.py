@@ -48,6 +48,13 @@ class ObjectStore(ABC):
     def list_all(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object below ``prefix``, recursively, page by page."""
 
+    def list_tree(self, prefix: str, limit: int) -> Iterator[tuple[str, Listing]]:
+        """Every directory below ``prefix`` (itself included) with the listing ``list_dir`` would
+        give it, from one recursive listing, each yielded as soon as it is complete; stops after
+        ``limit`` objects (the directories still open then are not yielded). Stores without a
+        recursive listing yield nothing."""
+        return iter(())
+
     @abstractmethod
     def head(self, path: str) -> ObjectInfo:
         """Current metadata of one object. Raises NoSuchKey."""

@@ -380,6 +380,38 @@ class S3Store(ObjectStore):
         elif rel not in ("", ".", ".."):
             listing.files.append(_info(obj["Key"][len(self._root):], obj))
 
+    def list_tree(self, prefix: str, limit: int) -> Iterator[tuple[str, Listing]]:
+        # Keys come sorted, and the keys under one prefix are contiguous: a directory is complete
+        # once a key outside it arrives. The open directories are the last key's ancestors.
+        full = self._root + prefix
+        open_dirs: dict[str, tuple[Listing, dict[str, None]]] = {}
+        last, count = "", 0
+        for page in self._pages(full, delimiter=False):
+            for obj in page.get("Contents", []):
+                key = obj["Key"]
+                if key <= last:
+                    raise BadResponse(f"list {self._url(full)}: keys out of order ({last!r} before {key!r})")
+                last, count = key, count + 1
+                chain, start = [prefix], len(full)
+                while (at := key.find("/", start)) >= 0 and key[start:at] not in ("", ".", ".."):
+                    chain.append(key[len(self._root):at + 1])      # a directory a lookup can reach
+                    start = at + 1
+                for done in [d for d in open_dirs if d not in chain]:
+                    yield done, self._closed(open_dirs.pop(done))
+                for d in chain:
+                    listing, dirs = open_dirs.setdefault(d, (Listing(), {}))
+                    self._add_listed(listing, dirs, self._root + d, obj)
+                if count >= limit:
+                    return
+        for done in list(open_dirs):
+            yield done, self._closed(open_dirs.pop(done))
+
+    @staticmethod
+    def _closed(entry: tuple[Listing, dict[str, None]]) -> Listing:
+        listing, dirs = entry
+        listing.dirs = list(dirs)
+        return listing
+
     def list_all(self, prefix: str = "") -> Iterator[ObjectInfo]:
         for page in self._pages(self._root + prefix, delimiter=False):
             for obj in page.get("Contents", []):
