@@ -299,7 +299,7 @@ def test_a_lookup_starts_the_get_of_a_small_cold_file(loaded, mount_factory, ena
 
     gets = mnt.requests("get")
     for done, p in enumerate(small, 1):
-        (mnt / p).stat()                    # a LOOKUP each (one at a time: the readahead slots are 8)
+        (mnt / p).stat()                    # a LOOKUP each, one at a time: each starts a GET
         if enabled:
             wait_for(lambda done=done: mnt.requests("get") - gets == done)
     if not enabled:

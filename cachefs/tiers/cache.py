@@ -232,29 +232,33 @@ class Tiers:
 
     def readahead_file(self, f: FileVersion) -> bool:
         """A small file (one block, at most PRELOAD_MAX) was looked up and no tier holds it:
-        start its GET now, so the open that follows (and fetches it, see ``preload``) joins a GET
-        already under way instead of sending one a FUSE round trip later. Dropped when the
-        readahead slots are full; the block is not kept in memory (the open hands it to the
-        kernel). True when a GET was started."""
+        start its GET now, as the foreground fetch it is about to be, so the open that follows
+        (and fetches it, see ``preload``) joins a GET already under way instead of sending one a
+        FUSE round trip later. Not started when every foreground fetch slot is taken; the block
+        is not kept in memory (the open hands it to the kernel). True when a GET was started."""
         if not self.readahead_at_lookup or self._nursery is None or not 0 < f.size <= min(self.block_size, PRELOAD_MAX):
             return False
         key = self.key(f, 0)
         if self.is_cached(key) or (self.disk is not None and self.disk.filling(key)):
             return False
-        if self._readaheads >= self._readahead_slots:
-            self.metrics.dropped_fills.labels("readahead", "queue_full").inc()
+        if self._fetch_limiter.available_tokens < 1:
             return False
-        self._readaheads += 1
-        self._nursery.start_soon(self._readahead_block, f, key, False)
+        self._nursery.start_soon(self._fetch_ahead, f, key)
         self.metrics.lookup_readaheads.inc()
         return True
 
-    async def _readahead_block(self, f: FileVersion, key: BlockKey, keep: bool = True) -> None:
+    async def _fetch_ahead(self, f: FileVersion, key: BlockKey) -> None:
+        try:
+            await self._flights.do(key, lambda: self._fetch(f, key, keep=False))
+        except StoreError as exc:
+            log.info("fetching %s at its lookup failed (its open will retry): %s", f.path, exc)
+
+    async def _readahead_block(self, f: FileVersion, key: BlockKey) -> None:
         try:
             if self.disk is not None and self.disk.contains(key):
                 await self.disk.readahead(key)     # the kernel reads the cache file ahead
                 return
-            await self._flights.do(key, lambda: self._fetch(f, key, keep, self._readahead_limiter))
+            await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter))
             self.metrics.readahead_blocks.inc()
         except StoreError as exc:
             log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
