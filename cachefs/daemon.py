@@ -26,7 +26,7 @@ from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointE
 from cachefs.fuse_ops import Operations
 from cachefs.host import CacheDirLock, check_fuse, check_mountpoint, tune_kernel, tune_malloc
 from cachefs.metrics import Exporter, Metrics
-from cachefs.namespace.listahead import list_ahead
+from cachefs.namespace.listahead import ListAhead
 from cachefs.namespace.packed import PackedView, open_packed
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
@@ -87,6 +87,8 @@ class Daemon:
         commands = command_table(self.status, self.warmer.commands(),
                                  self._sync_command if self.writeback is not None else None)
         self.control = Control(self.vfs.new_fh, commands, owner_uid=uid)
+        self.lister = (ListAhead(self.vfs, store, cfg.list_ahead)          # folders listed at mount
+                       if cfg.list_ahead and self.packed is None else None)
         self.ops = Operations(self.vfs, self.control, metrics, uid=uid, gid=gid, file_mode=cfg.file_mode,
                               dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
 
@@ -108,6 +110,7 @@ class Daemon:
                 "read_bytes": int(m.counter_value("cachefs_read_bytes_total")),
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
                 "packed_crc_errors": int(m.counter_value("cachefs_packed_crc_errors_total")),
+                "listing": self.lister.status() if self.lister else None,
                 "writeback": self.writeback.status() if self.writeback else None,
                 "warmup": self.warmer.status()}
 
@@ -196,8 +199,8 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                 log.info("cachefs %s mounted %s at %s (cache %s)", __version__, cfg.url, cfg.mountpoint,
                          cfg.cache_dir)
                 nursery.start_soon(_tune_then_ready, cfg, on_ready)
-                if cfg.list_ahead and daemon.packed is None:
-                    nursery.start_soon(list_ahead, daemon.vfs, daemon.store, cfg.list_ahead)
+                if daemon.lister is not None:
+                    nursery.start_soon(daemon.lister.run)
                 await pyfuse3.main(min_tasks=32, max_tasks=256)
             unmount = stop.signalled     # otherwise the kernel side already unmounted
         finally:

@@ -74,12 +74,13 @@ class Mount:
     def status(self) -> dict:
         return next(request(str(self.path), "status"))
 
-    def wait_listed_ahead(self, timeout: float = 30.0) -> None:
-        """Until the daemon logs that its listing ahead at mount (--list-ahead) is done."""
-        log, deadline = self.cache_dir / "cachefs.log", time.monotonic() + timeout
-        while "listed ahead" not in (log.read_text() if log.exists() else ""):
-            assert time.monotonic() < deadline, "the listing ahead did not finish"
+    def wait_listed_ahead(self, timeout: float = 30.0) -> dict:
+        """The status of the listing ahead at mount (--list-ahead) once it has ended."""
+        deadline = time.monotonic() + timeout
+        while (listing := self.status()["listing"])["state"] in ("waiting", "running"):
+            assert time.monotonic() < deadline, f"the listing ahead did not finish: {listing}"
             time.sleep(0.05)
+        return listing
 
     def requests(self, op: str) -> int:
         """Object-store requests of one operation (get, head, list) so far, any status."""

@@ -259,9 +259,11 @@ def test_status_command_human_and_json(loaded, mount_factory):
     server, bucket, files, _ = loaded
     mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server)).start()
     (mnt / "big.bin").read_bytes()
+    listing = mnt.wait_listed_ahead()
     from mounts import cachefs
     human = cachefs("status", str(mnt.path))
     assert human.returncode == 0 and "disk" in human.stdout and "hit ratio" in human.stdout
+    assert f"listing ahead done: {listing['folders']} folders in" in human.stdout
     import json
     status = json.loads(cachefs("status", str(mnt.path), "--json").stdout)
     assert status["pid"] == mnt.pid
@@ -313,22 +315,30 @@ def test_a_lookup_starts_the_get_of_a_small_cold_file(loaded, mount_factory, ena
     assert mnt.requests("get") - gets == len(small)
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_folders_are_listed_ahead_at_mount(s3_server, bucket, mount_factory, ahead):
-    """One recursive listing at mount lists every folder (--list-ahead): a first lookup in each of
-    30 folders then sends no LIST, and the names and bytes are the store's. With --list-ahead 0,
-    each folder (and the root) costs a LIST at its first lookup."""
+@pytest.mark.parametrize(("limit", "state", "folders", "lists"), [
+    (1000, "done", 32, 0),                      # every folder, the root and c07/deeper included
+    (50, "stopped at the limit", 17, 15),       # c00-c15 and c07/deeper are complete after 50 keys
+    (0, None, 0, 32),                           # off: the root and each folder at its first lookup
+])
+def test_folders_are_listed_ahead_at_mount(s3_server, bucket, mount_factory, limit, state, folders, lists):
+    """One recursive listing at mount lists the folders (--list-ahead): a first lookup in a folder
+    it gave sends no LIST; past its limit, the other folders are listed on their first lookup;
+    names and bytes are the store's either way. ``cachefs status`` tells how it went."""
     files = {f"c{c:02d}/f{i}": bytes([c, i]) * 50 for c in range(30) for i in range(3)}
     files["c07/deeper/x"] = b"x"
     client = s3_client(s3_server.endpoint_url)
     put_tree(client, bucket, "ds", files)
-    mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(s3_server), "--list-ahead", "1000" if ahead else "0").start()
-    if ahead:
-        mnt.wait_listed_ahead()
-    lists = mnt.requests("list")
+    mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(s3_server), "--list-ahead", str(limit)).start()
+    if state is None:
+        assert mnt.status()["listing"] is None
+    else:
+        listing = mnt.wait_listed_ahead()
+        assert (listing["state"], listing["folders"], listing["taken"]) == (state, folders, folders)
+    before = mnt.requests("list")
     assert all((mnt / p).read_bytes() == d for p, d in files.items())
     assert sorted(os.listdir(mnt / "c07")) == ["deeper", "f0", "f1", "f2"]
-    assert mnt.requests("list") - lists == (0 if ahead else 32)     # the root, 30 folders, c07/deeper
+    assert sorted(os.listdir(mnt / "c29")) == ["f0", "f1", "f2"]
+    assert mnt.requests("list") - before == lists
 
 
 def test_small_cached_files_are_preloaded_at_open(loaded, mount_factory):

@@ -369,7 +369,7 @@ def test_a_failed_read_is_logged_once(bucket_mem, caplog):
 def test_listing_ahead_lists_every_folder_and_a_failure_drops_what_it_gave(bucket_mem, fail):
     """Listings found ahead (``listahead.py``) serve the first lookups with no LIST of their own;
     if the recursive listing fails part way, the folders it gave are listed again on demand."""
-    from cachefs.namespace.listahead import list_ahead
+    from cachefs.namespace.listahead import ListAhead
     store = bucket_mem.store()
     vfs = make_vfs(store)
 
@@ -383,7 +383,10 @@ def test_listing_ahead_lists_every_folder_and_a_failure_drops_what_it_gave(bucke
     async def main():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(vfs.blocks.run)
-            await list_ahead(vfs, store, 1000)
+            lister = ListAhead(vfs, store, 1000)
+            await lister.run()
+            assert lister.status()["state"] == ("failed" if fail else "done")
+            assert lister.status()["taken"] == (0 if fail else 3)
             for path, data in TREE.items():
                 assert await open_read(vfs, path) == data
             assert store.calls["list_dir"] == (3 if fail else 0)

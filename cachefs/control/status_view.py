@@ -30,6 +30,10 @@ def render(status: dict) -> str:
     lines.append(f"  served  {size(status['read_bytes'])} to readers; corrupt blocks dropped: "
                  f"{status['corrupt_blocks']}")
     lines.append(f"  metrics {'http://' + status['metrics'] + '/metrics' if status['metrics'] else 'off'}")
+    listing = status.get("listing")
+    if listing:
+        lines.append(f"  listing ahead {listing['state']}: {listing['folders']} folders in {listing['seconds']:.2f} s, "
+                     f"{listing['taken']} taken (--list-ahead {listing['limit']} objects)")
     lines.extend(_writeback_lines(status.get("writeback")))
     lines.extend(_warmup_lines(status.get("warmup")))
     return "\n".join(lines)

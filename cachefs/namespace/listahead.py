@@ -24,35 +24,57 @@ from cachefs.store import Listing, ObjectStore
 log = logging.getLogger(__name__)
 
 
-async def list_ahead(vfs: Vfs, store: ObjectStore, limit: int) -> None:
-    """List the whole mount in the background; returns when done, failed or cancelled."""
-    saved = vfs.snapshot.load("") if vfs.snapshot is not None else None
-    if saved is not None and vfs.is_fresh(saved[0]):
-        return                        # a remount within the TTL: the listings were saved
-    started = time.time()
-    installed: list[str] = []
-    stop = threading.Event()
+class ListAhead:
+    """The listing ahead of one mount, and what ``cachefs status`` says of it."""
 
-    def install(prefix: str, listing: Listing) -> None:         # in the trio thread
-        path = prefix[:-1]                                        # "a/b/" -> "a/b", "" -> ""
-        if vfs.install_listing(path, listing, started):
-            installed.append(path)
+    def __init__(self, vfs: Vfs, store: ObjectStore, limit: int) -> None:
+        self.vfs, self.store, self.limit = vfs, store, limit
+        self.state = "waiting"       # -> running -> done | stopped at the limit | failed; or skipped
+        self.folders = 0             # complete folders the listing gave
+        self.taken: list[str] = []   # ... that the vfs took (no listing of its own yet)
+        self.seconds = 0.0
 
-    def walk() -> int:
-        dirs = 0
-        for prefix, listing in store.list_tree("", limit):
-            if stop.is_set():
-                break
-            trio.from_thread.run_sync(install, prefix, listing)
-            dirs += 1
-        return dirs
+    def status(self) -> dict:
+        return {"state": self.state, "folders": self.folders, "taken": len(self.taken),
+                "limit": self.limit, "seconds": round(self.seconds, 2)}
 
-    try:
-        dirs = await trio.to_thread.run_sync(walk, abandon_on_cancel=True)
-    except StoreError as exc:
-        log.info("listing ahead failed (%s); each folder is listed on its first lookup", exc)
-        vfs.drop_listings(set(installed))
-        return
-    finally:
-        stop.set()
-    log.info("listed ahead: %d folders in %.2f s (%d taken)", dirs, time.time() - started, len(installed))
+    async def run(self) -> None:
+        """List the whole mount in the background; returns when done, failed or cancelled."""
+        vfs = self.vfs
+        saved = vfs.snapshot.load("") if vfs.snapshot is not None else None
+        if saved is not None and vfs.is_fresh(saved[0]):
+            self.state = "skipped"           # a remount within the TTL: the listings were saved
+            return
+        self.state, started, stop = "running", time.time(), threading.Event()
+
+        def install(prefix: str, listing: Listing) -> None:         # in the trio thread
+            self.folders += 1
+            path = prefix[:-1]                                        # "a/b/" -> "a/b", "" -> ""
+            if vfs.install_listing(path, listing, started):
+                self.taken.append(path)
+
+        def walk() -> bool:
+            """True when the listing stopped at the limit."""
+            tree = self.store.list_tree("", self.limit)
+            while not stop.is_set():
+                try:
+                    prefix, listing = next(tree)
+                except StopIteration as end:
+                    return bool(end.value)
+                trio.from_thread.run_sync(install, prefix, listing)
+            return False
+
+        try:
+            truncated = await trio.to_thread.run_sync(walk, abandon_on_cancel=True)
+        except StoreError as exc:
+            self.state = "failed"
+            log.info("listing ahead failed (%s); each folder is listed on its first lookup", exc)
+            vfs.drop_listings(set(self.taken))
+            self.taken.clear()
+            return
+        finally:
+            stop.set()
+            self.seconds = time.time() - started
+        self.state = "stopped at the limit" if truncated else "done"
+        log.info("listed ahead: %d folders in %.2f s (%d taken)%s", self.folders, self.seconds, len(self.taken),
+                 f"; stopped at --list-ahead {self.limit} objects" if truncated else "")

@@ -7,7 +7,7 @@ Directory paths passed to ``list_dir`` are "" (the root) or end with "/".
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import trio
@@ -48,12 +48,13 @@ class ObjectStore(ABC):
     def list_all(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object below ``prefix``, recursively, page by page."""
 
-    def list_tree(self, prefix: str, limit: int) -> Iterator[tuple[str, Listing]]:
+    def list_tree(self, prefix: str, limit: int) -> Generator[tuple[str, Listing], None, bool]:
         """Every directory below ``prefix`` (itself included) with the listing ``list_dir`` would
-        give it, from one recursive listing, each yielded as soon as it is complete; stops after
-        ``limit`` objects (the directories still open then are not yielded). Stores without a
-        recursive listing yield nothing."""
-        return iter(())
+        give it, from one recursive listing, each yielded as soon as it is complete. Stops after
+        ``limit`` objects and then returns True (the directories still open are not yielded).
+        Stores without a recursive listing yield nothing."""
+        yield from ()
+        return False
 
     @abstractmethod
     def head(self, path: str) -> ObjectInfo:

@@ -20,7 +20,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -380,7 +380,7 @@ class S3Store(ObjectStore):
         elif rel not in ("", ".", ".."):
             listing.files.append(_info(obj["Key"][len(self._root):], obj))
 
-    def list_tree(self, prefix: str, limit: int) -> Iterator[tuple[str, Listing]]:
+    def list_tree(self, prefix: str, limit: int) -> Generator[tuple[str, Listing], None, bool]:
         # Keys come sorted, and the keys under one prefix are contiguous: a directory is complete
         # once a key outside it arrives. The open directories are the last key's ancestors.
         full = self._root + prefix
@@ -402,9 +402,10 @@ class S3Store(ObjectStore):
                     listing, dirs = open_dirs.setdefault(d, (Listing(), {}))
                     self._add_listed(listing, dirs, self._root + d, obj)
                 if count >= limit:
-                    return
+                    return True       # the directories still open are not known to be complete
         for done in list(open_dirs):
             yield done, self._closed(open_dirs.pop(done))
+        return False
 
     @staticmethod
     def _closed(entry: tuple[Listing, dict[str, None]]) -> Listing:
