@@ -6,6 +6,7 @@ daemon's status use only ``Tiers``:
 
 =================  ===========================================================================
 read, preload      bytes of a pinned file version (``read`` drives the readahead of a stream)
+readahead_file     start a looked-up small file's GET, for the open that follows to join
 warm               put one block of a file in the disk tier (back-pressure, no drop)
 check              which blocks of a file each tier holds
 evict              drop a file's blocks from every tier
