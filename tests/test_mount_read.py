@@ -269,6 +269,10 @@ def test_status_command_human_and_json(loaded, mount_factory):
     assert status["pid"] == mnt.pid
     assert status["read_bytes"] >= len(files["big.bin"])
     assert status["tiers"]["disk"]["used_bytes"] > 0
+    mnt.umount()
+    mnt.start()                     # a remount within the TTL: the saved listings serve, no listing ahead
+    assert mnt.status()["listing"]["state"] == "skipped"
+    assert "listing ahead skipped: the saved listings are fresh" in cachefs("status", str(mnt.path)).stdout
 
 
 def test_small_cold_files_are_fetched_at_open_and_need_no_read(loaded, mount_factory):

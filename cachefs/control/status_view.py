@@ -31,7 +31,9 @@ def render(status: dict) -> str:
                  f"{status['corrupt_blocks']}")
     lines.append(f"  metrics {'http://' + status['metrics'] + '/metrics' if status['metrics'] else 'off'}")
     listing = status.get("listing")
-    if listing:
+    if listing and listing["state"] == "skipped":
+        lines.append("  listing ahead skipped: the saved listings are fresh")
+    elif listing:
         lines.append(f"  listing ahead {listing['state']}: {listing['folders']} folders in {listing['seconds']:.2f} s, "
                      f"{listing['taken']} taken (--list-ahead {listing['limit']} objects)")
     lines.extend(_writeback_lines(status.get("writeback")))
