@@ -160,7 +160,7 @@ class Tiers:
         GET a READ would have sent, one FUSE round trip sooner). None when the memory tier holds it
         (a READ is served from memory at once), or when the GET fails: the READ then fetches again
         and its error is the reader's."""
-        if not 0 < f.size <= min(self.block_size, PRELOAD_MAX):
+        if not self._small(f):
             return None
         key = self.key(f, 0)
         if self.memory.contains(key):
@@ -174,6 +174,10 @@ class Tiers:
             log.debug("fetching %s at open failed (the read will try again): %s", f.path, exc)
             return None
         return data if len(data) == f.size else None
+
+    def _small(self, f: FileVersion) -> bool:
+        """One block, at most PRELOAD_MAX: the files an open hands to the kernel whole."""
+        return 0 < f.size <= min(self.block_size, PRELOAD_MAX)
 
     async def _read_block(self, f: FileVersion, index: int, lo: int, hi: int) -> bytes:
         key = self.key(f, index)
@@ -231,22 +235,21 @@ class Tiers:
             self._readaheads += 1
             self._nursery.start_soon(self._readahead_block, f, key)
 
-    def readahead_file(self, f: FileVersion) -> bool:
-        """A small file (one block, at most PRELOAD_MAX) was looked up and no tier holds it:
-        start its GET now, as the foreground fetch it is about to be, so the open that follows
-        (and fetches it, see ``preload``) joins a GET already under way instead of sending one a
-        FUSE round trip later. Not started when every foreground fetch slot is taken; the block
-        is not kept in memory (the open hands it to the kernel). True when a GET was started."""
-        if not self.readahead_at_lookup or self._nursery is None or not 0 < f.size <= min(self.block_size, PRELOAD_MAX):
-            return False
+    def readahead_file(self, f: FileVersion) -> None:
+        """A small file (``_small``) was looked up and no tier holds it: start its GET now, as
+        the foreground fetch it is about to be, so the open that follows (and fetches it, see
+        ``preload``) joins a GET already under way instead of sending one a FUSE round trip
+        later. Not started when every foreground fetch slot is taken; the block is not kept in
+        memory (the open hands it to the kernel)."""
+        if not self.readahead_at_lookup or self._nursery is None or not self._small(f):
+            return
         key = self.key(f, 0)
         if self.is_cached(key) or (self.disk is not None and self.disk.filling(key)):
-            return False
+            return
         if self._fetch_limiter.available_tokens < 1:
-            return False
+            return
         self._nursery.start_soon(self._fetch_ahead, f, key)
         self.metrics.lookup_readaheads.inc()
-        return True
 
     async def _fetch_ahead(self, f: FileVersion, key: BlockKey) -> None:
         try:
