@@ -125,6 +125,9 @@ class MountConfig:
         "help": "kernel readahead of the mount (sysfs bdi read_ahead_kb)"})
     fuse_max_background: int = field(default=64, metadata={
         "help": "kernel FUSE max_background (concurrent async requests)"})
+    fuse_fast_intake: bool = field(default=True, metadata={
+        "help": "a FUSE worker back from a request reads the next queued one at once, not after "
+                "two scheduler passes"})
     metrics_port: int = field(default=9567, metadata={
         "help": "Prometheus port on metrics_host (next free one if taken); 0 disables"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus listen address"})

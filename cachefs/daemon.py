@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from cachefs import __version__
+from cachefs import __version__, fuse_intake
 from cachefs.config import MountConfig
 from cachefs.control.commands import command_table
 from cachefs.control.server import Control
@@ -186,7 +186,8 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
             pyfuse3.init(daemon.ops, cfg.mountpoint, options)
         except RuntimeError as exc:
             raise MountpointError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
-        stop = _Stop()
+        intake = fuse_intake.install(pyfuse3, daemon.metrics.fuse_read_at_once.inc) if cfg.fuse_fast_intake else None
+        stop = _Stop(intake)
         unmount = True
         try:
             if cfg.metrics_port:
@@ -207,6 +208,7 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
             if daemon.exporter is not None:
                 daemon.exporter.close()
             pyfuse3.close(unmount=unmount)
+            fuse_intake.uninstall(pyfuse3, intake)
             with trio.move_on_after(30, shield=True):
                 await daemon.tiers.wait_idle()    # queued cache fills reach the disk tier
             if daemon.writeback is not None:
@@ -236,11 +238,15 @@ async def _tune_then_ready(cfg: MountConfig, on_ready: Callable[[], None]) -> No
 
 
 class _Stop:
-    signalled = False
+    def __init__(self, intake: fuse_intake.Intake | None) -> None:
+        self.signalled = False
+        self._intake = intake
 
     async def on_signal(self, signals) -> None:
         async for signum in signals:
             log.info("received %s: unmounting", signal.Signals(signum).name)
             self.signalled = True
+            if self._intake is not None:
+                self._intake.stopping = True
             pyfuse3.terminate()
             return

@@ -62,6 +62,9 @@ class Metrics:
         self.fuse_ops = Counter("cachefs_fuse_operations", "FUSE operations", ["op"], registry=r)
         self.fuse_errors = Counter("cachefs_fuse_errors", "FUSE operations that failed", ["op", "errno"],
                                    registry=r)
+        self.fuse_read_at_once = Counter("cachefs_fuse_requests_read_at_once",
+                                         "FUSE requests read as soon as a worker was free, with no scheduler "
+                                         "pass first (--fuse-fast-intake)", registry=r)
         self.fuse_latency = Histogram("cachefs_fuse_operation_seconds", "FUSE operation latency", ["op"],
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.read_bytes = Counter("cachefs_read_bytes", "Bytes returned to readers", registry=r)

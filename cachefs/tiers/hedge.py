@@ -34,6 +34,7 @@ import trio
 
 from cachefs.errors import StoreError
 from cachefs.metrics import Metrics
+from cachefs.sched import held
 from cachefs.store import ObjectStore
 
 _BASE_S = 1e-4          # lower edge of the first bucket
@@ -189,7 +190,7 @@ class Hedger:
         """``call()`` under a slot of ``limiter``, hedged once if it runs past ``delay(length)``
         and the budget, ``limiter`` and ``busy()`` allow."""
         self._tokens = min(self.policy.burst, self._tokens + self.policy.budget)
-        async with limiter:
+        async with held(limiter):
             started = trio.current_time()
             delay = self.delay(length)
             if delay is None or self._nursery is None:

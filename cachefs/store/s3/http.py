@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 import trio
 from botocore import exceptions as bx
 
+from cachefs.sched import send_all
 from cachefs.store.s3.answer import Window, error_of
 from cachefs.store.s3.sigv4 import Signer, object_path
 
@@ -238,7 +239,7 @@ class AsyncGetter:
         conn.received = 0
         reusable = False
         try:
-            await conn.stream.send_all(request)
+            await send_all(conn.stream, request)
             status, fields, body, reusable, cut = await self.read_response(conn, window)
         except TimeoutError:
             raise

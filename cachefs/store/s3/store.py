@@ -40,6 +40,7 @@ from cachefs.errors import (
     VersionChanged,
 )
 from cachefs.metrics import Metrics
+from cachefs.sched import held
 from cachefs.store.base import Listing, ObjectInfo, ObjectStore
 from cachefs.store.retry import RetryPolicy, call_with_retries, call_with_retries_async
 from cachefs.store.s3.answer import BEHAVIOUR, BadAnswer, Want, etag_of, get_headers, verify, window
@@ -291,7 +292,7 @@ class S3Store(ObjectStore):
         key, want = self._want(path, start, end, etag, size)
         if start == end:
             return b""
-        async with limiter:
+        async with held(limiter):
             try:
                 data = await call_with_retries_async(lambda: self._get_once_async(key, want), op="get",
                                                      policy=self._retry, metrics=self._metrics)

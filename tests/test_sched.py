@@ -1,0 +1,325 @@
+"""The scheduler-pass-free primitives (cachefs.sched) and the FUSE request intake
+(cachefs.fuse_intake), on pipes and socket pairs: no kernel FUSE needed here; the real mount
+is in test_mount_read.py (test_free_workers_read_queued_requests_at_once)."""
+
+import os
+import socket
+import types
+
+import pytest
+import trio
+import trio.testing
+
+from cachefs import fuse_intake
+from cachefs.fuse_intake import STREAK, Intake
+from cachefs.sched import held, send_all
+
+
+class Passes:
+    """Counts the scheduler passes that went by: a task that checkpoints in a loop."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            self.count += 1
+            await trio.lowlevel.checkpoint()
+
+
+@pytest.fixture
+def pipe():
+    r, w = os.pipe()
+    os.set_blocking(r, False)      # a read of an empty pipe fails the test instead of hanging it
+    yield r, w
+    for fd in (r, w):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# ---- held -----------------------------------------------------------------------------------
+
+def test_held_takes_a_free_token_with_no_pass_and_queues_when_none_is_free():
+    async def main():
+        limiter = trio.CapacityLimiter(1)
+        passes = Passes()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(passes.run)
+            before = passes.count
+            async with held(limiter):
+                assert passes.count == before          # no pass: the token was free
+                assert limiter.borrowed_tokens == 1
+                got = []
+
+                async def second():
+                    async with held(limiter):
+                        got.append(limiter.borrowed_tokens)
+
+                nursery.start_soon(second)
+                await trio.sleep(0.05)
+                assert got == []                       # waits for the token
+            await trio.sleep(0.05)
+            assert got == [1] and limiter.borrowed_tokens == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_held_does_not_jump_the_queue():
+    """A token freed while a task waits goes to that task, not to one that asks after it."""
+    async def main():
+        limiter = trio.CapacityLimiter(1)
+        order = []
+
+        async def user(name):
+            async with held(limiter):
+                order.append(name)
+
+        async with trio.open_nursery() as nursery:
+            async with held(limiter):
+                nursery.start_soon(user, "waiter")
+                await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(user, "newcomer")    # runs in the same pass as the waiter
+        assert order == ["waiter", "newcomer"]
+
+    for _ in range(20):          # trio shuffles each pass's order: try both
+        trio.run(main)
+
+
+def test_held_releases_on_error():
+    async def main():
+        limiter = trio.CapacityLimiter(2)
+        with pytest.raises(ValueError):
+            async with held(limiter):
+                raise ValueError("boom")
+        assert limiter.borrowed_tokens == 0
+
+    trio.run(main)
+
+
+# ---- send_all -------------------------------------------------------------------------------
+
+def test_send_all_writes_a_small_request_with_no_pass():
+    async def main():
+        a, b = trio.socket.socketpair()
+        stream = trio.SocketStream(a)
+        passes = Passes()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(passes.run)
+            before = passes.count
+            await send_all(stream, b"GET / HTTP/1.1\r\n\r\n")
+            assert passes.count == before
+            assert await b.recv(100) == b"GET / HTTP/1.1\r\n\r\n"
+            nursery.cancel_scope.cancel()
+        a.close()
+        b.close()
+
+    trio.run(main)
+
+
+def test_send_all_falls_back_to_trio_for_what_the_buffer_does_not_take():
+    """More than the send buffer holds: the rest goes through trio's send_all, in order."""
+    async def main():
+        a, b = trio.socket.socketpair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        data = os.urandom(4 << 20)
+        got = bytearray()
+
+        async def drain():
+            while len(got) < len(data):
+                chunk = await b.recv(1 << 16)
+                assert chunk
+                got.extend(chunk)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            await send_all(trio.SocketStream(a), data)
+        assert bytes(got) == data
+        a.close()
+        b.close()
+
+    trio.run(main)
+
+
+def test_send_all_on_a_closed_peer_raises_an_oserror():
+    async def main():
+        a, b = trio.socket.socketpair()
+        b.close()
+        with pytest.raises(OSError):
+            for _ in range(3):
+                await send_all(trio.SocketStream(a), b"x" * 1024)
+        a.close()
+
+    trio.run(main)
+
+
+# ---- Intake ---------------------------------------------------------------------------------
+
+def test_a_queued_request_is_taken_with_no_pass(pipe):
+    r, w = pipe
+    counted = []
+    intake = Intake(r, lambda: counted.append(1))
+
+    async def main():
+        passes = Passes()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(passes.run)
+            os.write(w, b"x")
+            before = passes.count
+            assert await intake.wait() is True
+            assert passes.count == before
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert counted == [1]
+
+
+def test_an_empty_device_parks_one_worker_and_wakes_it(pipe):
+    r, w = pipe
+    intake = Intake(r)
+    woke = []
+
+    async def worker(name):
+        assert await intake.wait() is True
+        woke.append(name)
+        os.read(r, 1)            # the "request" is taken right away, as _session_loop does
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for name in ("a", "b", "c"):
+                nursery.start_soon(worker, name)       # three parked: no BusyResourceError
+            await trio.testing.wait_all_tasks_blocked()
+            assert woke == []
+            for expected in (1, 2, 3):
+                os.write(w, b"x")
+                with trio.fail_after(2):
+                    while len(woke) < expected:
+                        await trio.sleep(0.001)
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(woke) == expected           # one request, one worker
+
+    trio.run(main)
+
+
+def test_no_worker_takes_the_request_a_parked_worker_was_woken_for():
+    """Parked worker A is woken by a request; B, back from its own request before A runs,
+    must not read it (A would then read an empty blocking device). Trio shuffles the order of
+    each pass, so the race is run many times."""
+    for _ in range(30):
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        try:
+            trio.run(_parked_and_newcomer, r, w)
+        finally:
+            os.close(r)
+            os.close(w)
+
+
+async def _parked_and_newcomer(r: int, w: int) -> None:
+    intake = Intake(r)
+    order = []
+
+    async def worker(name):
+        assert await intake.wait() is True
+        order.append(name)
+        os.read(r, 1)          # the request is read at once, as _session_loop does
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker, "parked")
+        await trio.testing.wait_all_tasks_blocked()
+        assert intake._parked
+        os.write(w, b"x")
+        # B arrives while A is still marked parked: it queues behind the lock and is given
+        # a request only when one is there for it
+        nursery.start_soon(worker, "second")
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["parked"]
+        os.write(w, b"y")
+        with trio.fail_after(2):
+            while len(order) < 2:
+                await trio.sleep(0.001)
+    assert order == ["parked", "second"]
+
+
+def test_a_streak_of_requests_taken_at_once_lets_the_scheduler_run(pipe, monkeypatch):
+    r, w = pipe
+    intake = Intake(r)
+    yields = []
+    checkpoint = trio.lowlevel.cancel_shielded_checkpoint
+
+    async def counted():
+        yields.append(1)
+        await checkpoint()
+
+    monkeypatch.setattr(trio.lowlevel, "cancel_shielded_checkpoint", counted)
+
+    async def main():
+        passes = Passes()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(passes.run)
+            os.write(w, b"x" * (3 * STREAK))
+            before = passes.count
+            for _ in range(STREAK):
+                assert await intake.wait() is True
+                os.read(r, 1)
+            assert passes.count == before and yields == []      # STREAK in a row with no pass
+            assert await intake.wait() is True
+            assert yields == [1]                                 # then one pass
+            os.read(r, 1)
+            for _ in range(STREAK - 1):
+                assert await intake.wait() is True
+                os.read(r, 1)
+            assert yields == [1]                                 # and a new streak
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_stopping_ends_every_worker(pipe):
+    r, w = pipe
+    intake = Intake(r)
+    results = []
+
+    async def worker():
+        results.append(await intake.wait())
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(worker)
+            await trio.testing.wait_all_tasks_blocked()
+            intake.stopping = True
+            trio.lowlevel.notify_closing(r)      # what pyfuse3.terminate() does
+        assert results == [False] * 4
+        assert await intake.wait() is False      # and a worker back from a request
+
+    trio.run(main)
+
+
+def test_install_needs_pyfuse3s_global_and_one_fuse_descriptor():
+    async def stock():
+        return True
+
+    fake = types.SimpleNamespace(_wait_fuse_readable=stock, __version__="test")
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse") if os.environ.get("CI") != "true" else pytest.fail("no /dev/fuse in CI")
+    assert fuse_intake.fuse_fds() == []
+    assert fuse_intake.install(fake) is None               # no session open: stock wait
+    fd = os.open("/dev/fuse", os.O_RDWR)
+    try:
+        intake = fuse_intake.install(fake)
+        assert intake is not None and intake.fd == fd
+        assert fake._wait_fuse_readable == intake.wait
+        fuse_intake.uninstall(fake, intake)
+        assert fake._wait_fuse_readable is stock
+        fd2 = os.open("/dev/fuse", os.O_RDWR)
+        try:
+            assert fuse_intake.install(fake) is None       # two: which one is the session's?
+        finally:
+            os.close(fd2)
+    finally:
+        os.close(fd)
+    assert fuse_intake.install(types.SimpleNamespace(__version__="9")) is None     # global gone
