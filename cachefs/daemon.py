@@ -187,7 +187,7 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
         except RuntimeError as exc:
             raise MountpointError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
         intake = fuse_intake.install(pyfuse3, daemon.metrics.fuse_read_at_once.inc) if cfg.fuse_fast_intake else None
-        stop = _Stop(intake)
+        stop = _Stop()
         unmount = True
         try:
             if cfg.metrics_port:
@@ -238,15 +238,11 @@ async def _tune_then_ready(cfg: MountConfig, on_ready: Callable[[], None]) -> No
 
 
 class _Stop:
-    def __init__(self, intake: fuse_intake.Intake | None) -> None:
-        self.signalled = False
-        self._intake = intake
+    signalled = False
 
     async def on_signal(self, signals) -> None:
         async for signum in signals:
             log.info("received %s: unmounting", signal.Signals(signum).name)
             self.signalled = True
-            if self._intake is not None:
-                self._intake.stopping = True
             pyfuse3.terminate()
             return

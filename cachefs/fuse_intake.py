@@ -10,18 +10,20 @@ readers on a cold mount, the wait from a reader's ``open`` to the daemon's looku
 
 ``Intake.wait`` takes the place of ``pyfuse3._wait_fuse_readable`` (a module global that
 ``_session_loop`` looks up at each call). A worker back from a request polls the device without
-waiting and, when a request is queued, reads it at once. Otherwise it parks as before, one
-worker at a time. The device is blocking: a read with nothing queued would stop the thread. So:
+waiting and, when a request is queued, reads it at once. Otherwise it waits in pyfuse3's own
+function, which keeps pyfuse3's count of idle workers (it adds a worker only when none is idle,
+and retires the surplus) and its handling of the session's end. The device is blocking: a read
+with nothing queued would stop the thread. So:
 
 - a request is read only right after a poll or a wake-up said the device is readable, with no
   await in between (one thread: nothing else can take the request meanwhile);
-- while a worker is parked on the device (``_parked``), nobody else polls it: the wake-up, and
-  the request it was for, are that worker's;
-- after ``STREAK`` requests taken at once in a row, the next one waits for one scheduler pass
-  first, so a flood of cheap requests cannot keep GETs, timers and fills from running.
-
-pyfuse3 counts its parked workers in a field Python cannot reach. It sees none, so it keeps
-adding workers up to ``max_tasks``; the extra ones wait on ``_lock`` and cost nothing.
+- while a worker is parked on the device, nobody polls it: the wake-up, and the request it was
+  for, are that worker's. To see that, pyfuse3's ``trio`` global is a view of trio whose
+  ``lowlevel.wait_readable`` marks the device's waiter (pyfuse3 swaps that global the same way
+  for asyncio);
+- after ``STREAK`` requests taken at once in a row, the next one waits in pyfuse3's function
+  (a scheduler pass at least), so a flood of cheap requests cannot keep GETs, timers and fills
+  from running.
 
 ``install`` uses this only when pyfuse3 still has the global it replaces and exactly one
 ``/dev/fuse`` descriptor is open (the session's); otherwise pyfuse3's own wait runs.
@@ -40,47 +42,53 @@ STREAK = 16
 
 
 class Intake:
-    def __init__(self, fd: int, on_at_once: Callable[[], object] = lambda: None) -> None:
+    def __init__(self, fd: int, pyfuse3_wait: Callable[[], Awaitable[bool]],
+                 on_at_once: Callable[[], object] = lambda: None) -> None:
         self.fd = fd
-        self.stopping = False
-        self.original: Callable[[], Awaitable[bool]] | None = None     # pyfuse3's own wait
-        self._on_at_once = on_at_once     # counts the requests read with no scheduler pass first
+        self.parked = False                   # a worker waits for the device to become readable
+        self._pyfuse3_wait = pyfuse3_wait
+        self._on_at_once = on_at_once         # counts the requests read with no scheduler pass first
         self._streak = 0
-        self._lock = trio.Lock()
-        self._parked = False
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
-    def _queued(self) -> bool:
-        return bool(self._poll.poll(0))
-
     async def wait(self) -> bool:
         """True when a request can be read now without blocking; False when the loop should end."""
-        if self.stopping:
-            return False
-        if self._streak >= STREAK:
-            self._streak = 0
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            if self.stopping:
-                return False
-        if not self._parked and self._queued():
+        if self._streak < STREAK and not self.parked and self._poll.poll(0):
             self._streak += 1
             self._on_at_once()
             return True
         self._streak = 0
-        async with self._lock:
-            if self.stopping:
-                return False
-            if not self._parked and self._queued():
-                return True
-            self._parked = True
-            try:
-                await trio.lowlevel.wait_readable(self.fd)
-            except trio.ClosedResourceError:       # pyfuse3.terminate()
-                return False
-            finally:
-                self._parked = False
-        return True
+        return await self._pyfuse3_wait()
+
+    async def wait_readable(self, fd: int) -> None:
+        """``trio.lowlevel.wait_readable`` as pyfuse3 sees it: the device's waiter is marked."""
+        if fd != self.fd:
+            await trio.lowlevel.wait_readable(fd)
+            return
+        self.parked = True
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            self.parked = False
+
+
+class _Lowlevel:
+    def __init__(self, intake: Intake) -> None:
+        self.wait_readable = intake.wait_readable
+
+    def __getattr__(self, name: str):
+        return getattr(trio.lowlevel, name)
+
+
+class _Trio:
+    """trio, but for ``lowlevel.wait_readable``."""
+
+    def __init__(self, intake: Intake) -> None:
+        self.lowlevel = _Lowlevel(intake)
+
+    def __getattr__(self, name: str):
+        return getattr(trio, name)
 
 
 def fuse_fds() -> list[int]:
@@ -95,23 +103,26 @@ def fuse_fds() -> list[int]:
     return found
 
 
-def install(pyfuse3, on_at_once: Callable[[], object] = lambda: None) -> Intake | None:
+def install(pyfuse3, on_at_once: Callable[[], object] = lambda: None, fd: int | None = None) -> Intake | None:
     """Put ``Intake.wait`` into pyfuse3's session loop (after ``pyfuse3.init``); None, and
-    pyfuse3's own wait, when that cannot be done safely. ``uninstall`` puts pyfuse3's back."""
+    pyfuse3's own wait, when that cannot be done safely. ``uninstall`` puts pyfuse3's back.
+    ``fd``: the session's device (default: the one ``/dev/fuse`` descriptor open)."""
     original = getattr(pyfuse3, "_wait_fuse_readable", None)
-    if not callable(original):
-        log.info("pyfuse3 %s has no _wait_fuse_readable: its own request loop runs", pyfuse3.__version__)
+    if not callable(original) or getattr(pyfuse3, "trio", None) is not trio:
+        log.info("pyfuse3 %s: no _wait_fuse_readable on trio; its own request loop runs",
+                 getattr(pyfuse3, "__version__", "?"))
         return None
-    fds = fuse_fds()
+    fds = fuse_fds() if fd is None else [fd]
     if len(fds) != 1:
         log.info("%d /dev/fuse descriptors open, not 1: pyfuse3's own request loop runs", len(fds))
         return None
-    intake = Intake(fds[0], on_at_once)
-    intake.original = original
+    intake = Intake(fds[0], original, on_at_once)
+    pyfuse3.trio = _Trio(intake)
     pyfuse3._wait_fuse_readable = intake.wait
     return intake
 
 
 def uninstall(pyfuse3, intake: Intake | None) -> None:
     if intake is not None:
-        pyfuse3._wait_fuse_readable = intake.original
+        pyfuse3._wait_fuse_readable = intake._pyfuse3_wait
+        pyfuse3.trio = trio

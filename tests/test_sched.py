@@ -158,10 +158,49 @@ def test_send_all_on_a_closed_peer_raises_an_oserror():
 
 # ---- Intake ---------------------------------------------------------------------------------
 
+class FakePyfuse3:
+    """pyfuse3's wait as its internal.pxi has it (the idle-worker count, one read lock, the
+    device's waiter, the session's end), over a pipe: ``fuse_intake.install`` wraps it."""
+
+    __version__ = "fake"
+
+    def __init__(self, fd: int) -> None:
+        self.trio = trio            # looked up at each call, as the Cython module does
+        self.fd = fd
+        self.active_readers = 0
+        self.read_lock = None
+        self.exited = False
+        self.stock_waits = 0
+        self._wait_fuse_readable = self._stock_wait
+
+    async def _stock_wait(self) -> bool:
+        self.stock_waits += 1
+        if self.read_lock is None:
+            self.read_lock = self.trio.Lock()
+        self.active_readers += 1
+        try:
+            async with self.read_lock:
+                if self.exited:
+                    return False
+                await self.trio.lowlevel.wait_readable(self.fd)
+        except trio.ClosedResourceError:
+            return False
+        finally:
+            self.active_readers -= 1
+        return True
+
+
+def installed(fd: int, counted: list | None = None) -> tuple[FakePyfuse3, Intake]:
+    fake = FakePyfuse3(fd)
+    intake = fuse_intake.install(fake, (lambda: counted.append(1)) if counted is not None else (lambda: None), fd=fd)
+    assert intake is not None and fake._wait_fuse_readable == intake.wait
+    return fake, intake
+
+
 def test_a_queued_request_is_taken_with_no_pass(pipe):
     r, w = pipe
     counted = []
-    intake = Intake(r, lambda: counted.append(1))
+    fake, intake = installed(r, counted)
 
     async def main():
         passes = Passes()
@@ -169,30 +208,31 @@ def test_a_queued_request_is_taken_with_no_pass(pipe):
             await nursery.start(passes.run)
             os.write(w, b"x")
             before = passes.count
-            assert await intake.wait() is True
+            assert await fake._wait_fuse_readable() is True
             assert passes.count == before
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    assert counted == [1]
+    assert counted == [1] and fake.stock_waits == 0
 
 
-def test_an_empty_device_parks_one_worker_and_wakes_it(pipe):
+def test_an_empty_device_leaves_workers_to_pyfuse3s_wait_one_parked(pipe):
     r, w = pipe
-    intake = Intake(r)
+    fake, intake = installed(r)
     woke = []
 
     async def worker(name):
-        assert await intake.wait() is True
+        assert await fake._wait_fuse_readable() is True
         woke.append(name)
-        os.read(r, 1)            # the "request" is taken right away, as _session_loop does
+        os.read(r, 1)            # the "request" is read right away, as _session_loop does
 
     async def main():
         async with trio.open_nursery() as nursery:
             for name in ("a", "b", "c"):
-                nursery.start_soon(worker, name)       # three parked: no BusyResourceError
+                nursery.start_soon(worker, name)       # one parked on the device, two on the lock
             await trio.testing.wait_all_tasks_blocked()
-            assert woke == []
+            assert woke == [] and intake.parked
+            assert fake.active_readers == 3             # pyfuse3 sees its idle workers: no new ones
             for expected in (1, 2, 3):
                 os.write(w, b"x")
                 with trio.fail_after(2):
@@ -200,6 +240,7 @@ def test_an_empty_device_parks_one_worker_and_wakes_it(pipe):
                         await trio.sleep(0.001)
                 await trio.testing.wait_all_tasks_blocked()
                 assert len(woke) == expected           # one request, one worker
+            assert fake.active_readers == 0 and not intake.parked
 
     trio.run(main)
 
@@ -219,21 +260,21 @@ def test_no_worker_takes_the_request_a_parked_worker_was_woken_for():
 
 
 async def _parked_and_newcomer(r: int, w: int) -> None:
-    intake = Intake(r)
+    fake, intake = installed(r)
     order = []
 
     async def worker(name):
-        assert await intake.wait() is True
+        assert await fake._wait_fuse_readable() is True
         order.append(name)
-        os.read(r, 1)          # the request is read at once, as _session_loop does
+        os.read(r, 1)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(worker, "parked")
         await trio.testing.wait_all_tasks_blocked()
-        assert intake._parked
+        assert intake.parked
         os.write(w, b"x")
-        # B arrives while A is still marked parked: it queues behind the lock and is given
-        # a request only when one is there for it
+        # B arrives while A is still parked (woken, not yet run): it waits in pyfuse3's wait and
+        # is given a request only when one is there for it
         nursery.start_soon(worker, "second")
         await trio.testing.wait_all_tasks_blocked()
         assert order == ["parked"]
@@ -244,17 +285,9 @@ async def _parked_and_newcomer(r: int, w: int) -> None:
     assert order == ["parked", "second"]
 
 
-def test_a_streak_of_requests_taken_at_once_lets_the_scheduler_run(pipe, monkeypatch):
+def test_a_streak_of_requests_taken_at_once_ends_in_pyfuse3s_wait(pipe):
     r, w = pipe
-    intake = Intake(r)
-    yields = []
-    checkpoint = trio.lowlevel.cancel_shielded_checkpoint
-
-    async def counted():
-        yields.append(1)
-        await checkpoint()
-
-    monkeypatch.setattr(trio.lowlevel, "cancel_shielded_checkpoint", counted)
+    fake, intake = installed(r)
 
     async def main():
         passes = Passes()
@@ -263,63 +296,71 @@ def test_a_streak_of_requests_taken_at_once_lets_the_scheduler_run(pipe, monkeyp
             os.write(w, b"x" * (3 * STREAK))
             before = passes.count
             for _ in range(STREAK):
-                assert await intake.wait() is True
+                assert await fake._wait_fuse_readable() is True
                 os.read(r, 1)
-            assert passes.count == before and yields == []      # STREAK in a row with no pass
-            assert await intake.wait() is True
-            assert yields == [1]                                 # then one pass
+            assert passes.count == before and fake.stock_waits == 0    # STREAK in a row, no pass
+            assert await fake._wait_fuse_readable() is True
+            assert fake.stock_waits == 1                               # then pyfuse3's wait
             os.read(r, 1)
-            for _ in range(STREAK - 1):
-                assert await intake.wait() is True
+            for _ in range(STREAK):
+                assert await fake._wait_fuse_readable() is True
                 os.read(r, 1)
-            assert yields == [1]                                 # and a new streak
+            assert fake.stock_waits == 1                               # and a new streak
             nursery.cancel_scope.cancel()
 
     trio.run(main)
 
 
-def test_stopping_ends_every_worker(pipe):
+def test_the_sessions_end_ends_every_worker(pipe):
     r, w = pipe
-    intake = Intake(r)
+    fake, intake = installed(r)
     results = []
 
     async def worker():
-        results.append(await intake.wait())
+        results.append(await fake._wait_fuse_readable())
 
     async def main():
         async with trio.open_nursery() as nursery:
             for _ in range(4):
                 nursery.start_soon(worker)
             await trio.testing.wait_all_tasks_blocked()
-            intake.stopping = True
-            trio.lowlevel.notify_closing(r)      # what pyfuse3.terminate() does
+            fake.exited = True
+            fake.trio.lowlevel.notify_closing(r)      # what pyfuse3.terminate() does
         assert results == [False] * 4
-        assert await intake.wait() is False      # and a worker back from a request
 
     trio.run(main)
 
 
-def test_install_needs_pyfuse3s_global_and_one_fuse_descriptor():
-    async def stock():
-        return True
+def test_pyfuse3_sees_trio_but_for_the_devices_wait(pipe):
+    r, _ = pipe
+    fake, intake = installed(r)
+    assert fake.trio.Lock is trio.Lock and fake.trio.ClosedResourceError is trio.ClosedResourceError
+    assert fake.trio.lowlevel.current_task is trio.lowlevel.current_task
+    assert fake.trio.lowlevel.wait_readable == intake.wait_readable
+    fuse_intake.uninstall(fake, intake)
+    assert fake.trio is trio and fake._wait_fuse_readable == fake._stock_wait
 
-    fake = types.SimpleNamespace(_wait_fuse_readable=stock, __version__="test")
+
+def test_install_needs_pyfuse3s_wait_on_trio_and_one_fuse_descriptor():
     if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse") if os.environ.get("CI") != "true" else pytest.fail("no /dev/fuse in CI")
+        if os.environ.get("CI") == "true":
+            pytest.fail("no /dev/fuse in CI")
+        pytest.skip("no /dev/fuse")
     assert fuse_intake.fuse_fds() == []
-    assert fuse_intake.install(fake) is None               # no session open: stock wait
+    fake = FakePyfuse3(-1)
+    assert fuse_intake.install(fake) is None               # no session open: pyfuse3's wait
     fd = os.open("/dev/fuse", os.O_RDWR)
     try:
         intake = fuse_intake.install(fake)
         assert intake is not None and intake.fd == fd
-        assert fake._wait_fuse_readable == intake.wait
         fuse_intake.uninstall(fake, intake)
-        assert fake._wait_fuse_readable is stock
         fd2 = os.open("/dev/fuse", os.O_RDWR)
         try:
             assert fuse_intake.install(fake) is None       # two: which one is the session's?
         finally:
             os.close(fd2)
+        assert fuse_intake.install(types.SimpleNamespace(trio=trio)) is None          # no wait to wrap
+        assert fuse_intake.install(types.SimpleNamespace(trio=object(),                # asyncio mode
+                                                         _wait_fuse_readable=fake._stock_wait)) is None
     finally:
         os.close(fd)
-    assert fuse_intake.install(types.SimpleNamespace(__version__="9")) is None     # global gone
