@@ -158,7 +158,9 @@ class Bench:
                     result = packed_rows.loader_epoch(name, ds, self.entries, self.args.workers)
                 finally:
                     ds.close()
-                self.record(key, result, gets=gets(mnt) - before, loader_root=str(root))
+                fds = (mnt.status().get("loader_fds") or {}).get("served", 0)
+                self.record(key, result, gets=gets(mnt) - before, loader_root=str(root), cache_fds=fds,
+                            note=f"{fds} cache files read directly")
                 if key == "loader_cold":
                     settle(mnt)
 

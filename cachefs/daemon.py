@@ -20,6 +20,7 @@ import trio
 
 from cachefs import __version__, fuse_intake
 from cachefs.config import MountConfig
+from cachefs.control.cachefds import CacheFds
 from cachefs.control.commands import command_table
 from cachefs.control.server import Control
 from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError, NoSuchKey
@@ -55,6 +56,7 @@ class Daemon:
         self.metrics = metrics
         self.started = time.time()
         self.exporter: Exporter | None = None
+        self.cache_fds: CacheFds | None = None      # packed mounts: local loaders read the cache files
         self.disk = DiskTier(os.path.join(cfg.cache_dir, "blocks"), capacity=cfg.cache_size,
                              free_space_ratio=cfg.free_space_ratio, metrics=metrics,
                              fsync=cfg.fsync_cache_files, fill_workers=cfg.fill_workers,
@@ -111,6 +113,8 @@ class Daemon:
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
                 "packed_crc_errors": int(m.counter_value("cachefs_packed_crc_errors_total")),
                 "listing": self.lister.status() if self.lister else None,
+                "loader_fds": ({"socket": str(self.cache_fds.path), "served": self.cache_fds.served}
+                               if self.cache_fds else None),
                 "writeback": self.writeback.status() if self.writeback else None,
                 "warmup": self.warmer.status()}
 
@@ -202,6 +206,9 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                 nursery.start_soon(_tune_then_ready, cfg, on_ready)
                 if daemon.lister is not None:
                     nursery.start_soon(daemon.lister.run)
+                if daemon.packed is not None and daemon.tiers.disk is not None:
+                    daemon.cache_fds = CacheFds(cfg.cache_dir, daemon.packed, daemon.tiers)
+                    await nursery.start(daemon.cache_fds.run)
                 await pyfuse3.main(min_tasks=32, max_tasks=256)
             unmount = stop.signalled     # otherwise the kernel side already unmounted
         finally:

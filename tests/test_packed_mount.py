@@ -8,6 +8,7 @@ import json
 import os
 import random
 import time
+import urllib.request
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -258,6 +259,79 @@ def test_the_loader_fetches_the_next_shards_ahead(s3_server, proxied, mount_fact
         assert info.value.errno == errno.EIO
         assert seen == sum(1 for s in shards if s in ahead)
         proxy.refuse(False)
+    mnt.umount()
+
+
+def bytes_served(port: int) -> float:
+    """Bytes of files the daemon returned to readers (control-file replies not counted)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    found = [ln for ln in text.splitlines() if ln.startswith("cachefs_read_bytes_total ")]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def block_files(cache_dir) -> list:
+    return [p for p in cache_dir.rglob("*") if p.is_file() and p.stat().st_size > 4096
+            and p.read_bytes()[:4] == b"CFSB"]
+
+
+def test_the_loader_reads_cached_shards_from_the_daemons_files_not_through_fuse(s3_server, proxied,
+                                                                                  mount_factory):
+    """A daemon on this machine hands the loader its cache files (control/cachefds.py): once the
+    shards are on the disk tier, an epoch reads no byte through the mount and sends no GET, even
+    with the store gone, and every sample is byte-identical."""
+    from cachefs.demo.local_s3 import free_port
+    proxy, bucket, client = proxied
+    files = make_files()
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
+    port = free_port()
+    mnt = mount(proxy, bucket, mount_factory, "--metrics-port", str(port)).start()
+    assert cachefs("warmup", str(mnt.path)).returncode == 0
+    channel = mnt.status()["loader_fds"]
+    assert channel["socket"] == str(mnt.cache_dir / "loader.sock") and channel["served"] == 0
+    assert oct(os.stat(channel["socket"]).st_mode & 0o777) == oct(0o600)
+    with PackedIterableDataset(mnt.path, seed=1) as ds:
+        proxy.refuse(True)
+        gets = mnt.requests("get")
+        served = bytes_served(port)
+        got = dict(iter(ds))
+        assert bytes_served(port) == served and mnt.requests("get") == gets
+    proxy.refuse(False)
+    assert got == files
+    manifest = json.loads((mnt / PACKED / "manifest.json").read_bytes())
+    served = mnt.status()["loader_fds"]["served"]
+    assert served >= manifest["shards"]
+    shown = cachefs("status", str(mnt.path))
+    assert f"local loaders: {served} cache files handed over" in shown.stdout
+    mnt.umount()
+    assert not os.path.exists(channel["socket"])
+
+
+def test_a_corrupt_cache_file_read_directly_falls_back_to_the_mount(s3_server, proxied, mount_factory):
+    """A cache file damaged on disk: the loader's crc check catches it, drops the shard's files and
+    reads through the mount, whose own check drops the block and fetches it again: right bytes."""
+    proxy, bucket, client = proxied
+    files = make_files()
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
+    mnt = mount(proxy, bucket, mount_factory).start()
+    assert cachefs("warmup", str(mnt.path)).returncode == 0
+    damaged = 0
+    for path in block_files(mnt.cache_dir):
+        with open(path, "r+b") as f:              # one byte in the middle of each block's data
+            size = os.fstat(f.fileno()).st_size
+            f.seek(size - 4000)
+            byte = f.read(1)
+            f.seek(size - 4000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+            damaged += 1
+    assert damaged >= 2
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:     # the daemon's reads see the damage too
+        f.write("3\n")
+    with PackedIterableDataset(mnt.path, seed=2) as ds:
+        got = dict(iter(ds))
+    assert got == files
+    status = mnt.status()
+    assert status["loader_fds"]["served"] >= 1 and status["corrupt_blocks"] >= 1
     mnt.umount()
 
 

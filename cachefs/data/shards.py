@@ -13,6 +13,8 @@ from cachefs.packfmt import CorruptRecord, PackedIndex
 from cachefs.packfmt.store_index import PACKED_DIR
 from cachefs.packfmt.tfrecord import crc32c
 
+from .direct import DirectShards
+
 
 class ShardFiles:
     #: open shard files kept per process (least recently used closed first)
@@ -32,6 +34,9 @@ class ShardFiles:
         # (pid, its helper thread, the event close sets: a whole-shard read stops between reads)
         self._toucher: tuple[int, ThreadPoolExecutor, threading.Event] | None = None
         self.in_mount = root.name == PACKED_DIR
+        self.sizes = index.shards.column("bytes").to_pylist()
+        # in a mount served by a daemon on this machine: its cache files, read directly (direct.py)
+        self.direct = DirectShards(root.parent) if self.in_mount else None
         # A failed read of a mapped page is SIGBUS: the training process would die where a read
         # through a mount (whose store can fail) must be an OSError. Mount: pread; local: mmap.
         self._can_map = not self.in_mount     # also False where the file system refuses mmap
@@ -54,8 +59,16 @@ class ShardFiles:
         return fd
 
     def read(self, row: int) -> bytes:
-        """The bytes of file ``row``: one pread, crc-checked."""
+        """The bytes of file ``row``: one pread, crc-checked (in a mount, from the daemon's cache
+        file when it handed that over; a crc mismatch there is read again through the mount)."""
         shard, offset, length = int(self.shard[row]), int(self.offset[row]), int(self.length[row])
+        if self.direct is not None:
+            data = self.direct.read(shard, self.names[shard], self.sizes[shard], offset, length)
+            if data is not None:
+                try:
+                    return self._checked(row, data)
+                except CorruptRecord:
+                    self.direct.drop(shard)
         data = os.pread(self._fd(shard), length, offset)
         return self._checked(row, data)
 
@@ -66,6 +79,8 @@ class ShardFiles:
         hits, as with a mapping, but a failed read is only a stop here, never a SIGBUS; the
         kernel's own WILLNEED advice reads just one readahead window ahead); otherwise one byte,
         which in a mount starts the daemon's warm of the whole shard (``--shard-warm``)."""
+        if whole and self.direct is not None and self.direct.complete(shard, self.names[shard], self.sizes[shard]):
+            return                    # read from the daemon's cache files: nothing to warm through the mount
         if self._toucher is None or self._toucher[0] != os.getpid():   # none yet, or a forked worker
             self._toucher = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="cachefs-shard-touch"),
                              threading.Event())
@@ -129,6 +144,8 @@ class ShardFiles:
         """Close this process's mapping and files (a mount can then be unmounted): a helper read
         still running stops after its current 1 MiB and, with ``wait``, is waited for."""
         self.release()
+        if self.direct is not None:
+            self.direct.close()
         if self._toucher is not None and self._toucher[0] == os.getpid():
             self._toucher[2].set()
             self._toucher[1].shutdown(wait=wait, cancel_futures=True)

@@ -115,6 +115,12 @@ class PackedView:
         self._col = {name: files.column(name).to_numpy() for name in
                      ("shard", "data_offset", "data_length", "crc32c", "mtime", "generation", "mode")}
 
+    def shard_version(self, number: int) -> FileVersion:
+        """The store object of shard ``number`` (its row in the shards table); IndexError if none."""
+        if not 0 <= number < len(self._shards):
+            raise IndexError(f"no shard {number}")
+        return self._shards[number]
+
     # ---- the namespace ------------------------------------------------------------------------
     def list_dir(self, prefix: str) -> Listing:
         path = prefix.rstrip("/")

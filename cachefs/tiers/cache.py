@@ -131,6 +131,10 @@ class Tiers:
     def block_len(self, f: FileVersion, index: int) -> int:
         return min(self.block_size, f.size - index * self.block_size)
 
+    def open_block_file(self, key: BlockKey) -> int | None:
+        """A read-only descriptor of the disk tier's file of ``key`` (None if not there)."""
+        return self.disk.open_block_file(key) if self.disk is not None else None
+
     # ---- the read path ---------------------------------------------------------------------
 
     async def read(self, f: FileVersion, offset: int, size: int, stream: Stream | None = None) -> bytes:

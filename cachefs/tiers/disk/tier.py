@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -163,6 +164,17 @@ class DiskTier:
 
     def contains_digest(self, digest: str) -> bool:
         return self._health.state != DiskHealth.DOWN and digest in self._index
+
+    def open_block_file(self, key: BlockKey) -> int | None:
+        """A read-only descriptor of the block's file (for ``control.cachefds``), or None when the
+        tier does not hold it. The file is never rewritten in place (temp + rename) and an
+        evicted one stays readable through the descriptor: its reader sees the checked-in bytes."""
+        if not self.contains(key):
+            return None
+        try:
+            return os.open(self.layout.block_path(key.digest()), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
 
     # -- fills --
 

@@ -1,0 +1,126 @@
+"""The cache-file channel: a loader on this machine (``cachefs.data``) asks the daemon for the
+disk-tier files that hold a packed shard and reads them itself, with no FUSE request per read
+(the short-circuit local read of HDFS and Alluxio; DESIGN section 4, the packer's lever).
+
+A unix socket, ``CACHE_DIR/loader.sock``, mode 0600: only the daemon's user and root may connect,
+and they may read the cache files anyway. One request per connection, a JSON line::
+
+    {"shard": 3, "name": "00003.tfrecord", "first": 0, "count": 64}
+
+Of the blocks [first, first+count) of that shard, the daemon opens the files of those its disk
+tier holds, read-only, and answers with one message: ``{"ok": true, "block_size": B, "blocks":
+[[index, length], ...]}`` for those, with their descriptors in SCM_RIGHTS in the same order, or
+``{"ok": false, "error": "..."}`` and none. It fetches nothing: a block not on disk is read
+through the mount, which fetches it. A block file is never
+rewritten in place (temp + rename) and an evicted one stays readable through its descriptor, so
+the loader reads the bytes the daemon checked in. The loader checks each record's crc32c itself
+and falls back to reading through the mount on any trouble.
+"""
+
+import array
+import json
+import logging
+import os
+import socket
+from contextlib import suppress
+from pathlib import Path
+
+import trio
+
+from cachefs.errors import CachefsError
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "loader.sock"
+MAX_BLOCKS = 128              # descriptors per answer (SCM_RIGHTS carries at most 253)
+_MAX_REQUEST = 4096
+_REQUEST_TIMEOUT_S = 10.0
+
+
+class CacheFds:
+    def __init__(self, cache_dir: Path, packed, tiers) -> None:
+        self.path = Path(cache_dir) / SOCKET_NAME
+        self.packed = packed
+        self.tiers = tiers
+        self.served = 0               # block descriptors handed out
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; when the socket cannot be made, log why and serve nothing."""
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with suppress(FileNotFoundError):
+                os.unlink(self.path)
+            old = os.umask(0o177)
+            try:
+                await sock.bind(str(self.path))
+            finally:
+                os.umask(old)
+            sock.listen(16)
+        except OSError as exc:
+            sock.close()
+            log.info("cache-file channel for local loaders off: %s: %s", self.path, exc)
+            task_status.started()
+            return
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    conn, _ = await sock.accept()
+                    nursery.start_soon(self._serve, conn)
+        finally:
+            sock.close()
+            with suppress(OSError):
+                os.unlink(self.path)
+
+    async def _serve(self, conn) -> None:
+        fds: list[int] = []
+        with conn:
+            try:
+                with trio.fail_after(_REQUEST_TIMEOUT_S):
+                    request = await _read_line(conn)
+                reply, fds = await self._answer(json.loads(request))
+            except trio.TooSlowError:
+                return
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                reply = {"ok": False, "error": f"bad request: {exc}"}
+            except CachefsError as exc:
+                reply = {"ok": False, "error": str(exc)}
+            except Exception:          # a bug: logged, answered, never takes the daemon down
+                log.exception("cache-file channel: request failed")
+                reply = {"ok": False, "error": "internal error (see the daemon's log)"}
+            try:
+                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+                await conn.sendmsg([json.dumps(reply).encode() + b"\n"], ancillary)
+                self.served += len(fds)
+            except OSError as exc:
+                log.debug("cache-file channel: answer not sent: %s", exc)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    async def _answer(self, request: dict) -> tuple[dict, list[int]]:
+        number, name = int(request["shard"]), str(request["name"])
+        first, count = max(int(request["first"]), 0), min(max(int(request["count"]), 0), MAX_BLOCKS)
+        f = self.packed.shard_version(number)
+        if f.path.rsplit("/", 1)[-1] != name:
+            raise ValueError(f"shard {number} is {f.path}, not {name}")
+        fds: list[int] = []
+        blocks = []
+        for index in range(first, min(first + count, -(-f.size // self.tiers.block_size))):
+            fd = self.tiers.open_block_file(self.tiers.key(f, index))
+            if fd is not None:
+                fds.append(fd)
+                blocks.append([index, self.tiers.block_len(f, index)])
+        return {"ok": True, "block_size": self.tiers.block_size, "blocks": blocks}, fds
+
+
+async def _read_line(conn) -> bytes:
+    buf = b""
+    while b"\n" not in buf:
+        chunk = await conn.recv(_MAX_REQUEST)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > _MAX_REQUEST:
+            raise ValueError("request over 4 KiB")
+    return buf.split(b"\n", 1)[0]

@@ -1,0 +1,191 @@
+"""Reading a mounted packed dataset's shards from the daemon's cache files, not through FUSE.
+
+In a cachefs mount, every read of a sample is a FUSE request (or a page-cache hit the daemon
+filled through FUSE). When the daemon runs on this machine, it hands the loader read-only
+descriptors of the disk-tier files that hold a shard's blocks (``cachefs.control.cachefds``, a
+unix socket in its cache dir that only its user and root can open), and the loader ``pread``s
+them directly: the short-circuit local read of HDFS and Alluxio.
+
+Only blocks the disk tier holds when a process first reads a shard are handed over; a sample in
+any other block is read through the mount as before (which fetches it). The caller checks every record's crc32c; a mismatch drops the
+shard's descriptors and the sample is read through the mount, which verifies and refetches.
+Descriptors belong to one process (DataLoader workers fork), and at most ``KEEP`` shards' worth
+are held. Anything unexpected (no daemon, an older one, a socket we may not open) turns the
+channel off for the process, silently: the mount still works.
+"""
+
+import json
+import os
+import socket
+from collections import OrderedDict
+from pathlib import Path
+
+from cachefs.tiers.disk.format import BlockHeader
+
+KEEP = 2
+_MAX_BLOCKS = 128           # cachefds.MAX_BLOCKS
+_TIMEOUT_S = 30.0
+
+
+class _Blocks:
+    __slots__ = ("block_size", "fds", "offsets")
+
+    def __init__(self, block_size: int, count: int) -> None:
+        self.block_size = block_size
+        self.fds: list[int | None] = [None] * count
+        self.offsets: list[int] = [0] * count      # where each file's data starts (its header length)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            if fd is not None:
+                os.close(fd)
+        self.fds = []
+
+    def complete(self) -> bool:
+        return bool(self.fds) and all(fd is not None for fd in self.fds)
+
+    def read(self, offset: int, length: int) -> bytes | None:
+        """Bytes [offset, offset+length) of the shard, or None if a block of them was not handed over."""
+        bs, parts, pos, end = self.block_size, [], offset, offset + length
+        while pos < end:
+            index = pos // bs
+            if index >= len(self.fds) or self.fds[index] is None:
+                return None
+            take = min(end, (index + 1) * bs) - pos
+            part = os.pread(self.fds[index], take, self.offsets[index] + pos - index * bs)
+            if len(part) != take:
+                return None
+            parts.append(part)
+            pos += take
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class DirectShards:
+    def __init__(self, mount_root: Path) -> None:
+        self.mount_root = mount_root
+        self._pid = os.getpid()
+        self._socket: str | None | bool = None     # None: not looked up yet; False: off
+        self._shards: OrderedDict[int, _Blocks | None] = OrderedDict()
+
+    def __getstate__(self) -> dict:
+        return {"mount_root": self.mount_root, "_pid": -1, "_socket": self._socket, "_shards": OrderedDict()}
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():        # a forked worker: the parent's descriptors stay the parent's
+            self._pid, self._shards = os.getpid(), OrderedDict()
+
+    def read(self, shard: int, name: str, size: int, offset: int, length: int) -> bytes | None:
+        blocks = self._blocks(shard, name, size)
+        return blocks.read(offset, length) if blocks is not None else None
+
+    def complete(self, shard: int, name: str, size: int) -> bool:
+        """Every block of the shard is read directly (the caller need not warm it through the mount)."""
+        blocks = self._blocks(shard, name, size)
+        return blocks is not None and blocks.complete()
+
+    def drop(self, shard: int) -> None:
+        """Stop reading ``shard`` directly (a record failed its crc): the mount serves it from now on."""
+        blocks = self._shards.pop(shard, None)
+        if blocks is not None:
+            blocks.close()
+        self._shards[shard] = None
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for blocks in self._shards.values():
+                if blocks is not None:
+                    blocks.close()
+        self._shards = OrderedDict()
+
+    # ---- the channel ------------------------------------------------------------------------
+    def _blocks(self, shard: int, name: str, size: int) -> _Blocks | None:
+        self._own()
+        if shard in self._shards:
+            self._shards.move_to_end(shard)
+            return self._shards[shard]
+        path = self._socket_path()
+        blocks = None
+        if path:
+            try:
+                blocks = self._open(path, shard, name, size)
+            except (OSError, ValueError, KeyError, TypeError):
+                blocks = None
+        while len(self._shards) >= KEEP:
+            old = self._shards.popitem(last=False)[1]
+            if old is not None:
+                old.close()
+        self._shards[shard] = blocks
+        return blocks
+
+    def _socket_path(self) -> str | None:
+        if self._socket is None:
+            self._socket = False
+            try:
+                from cachefs.control import client
+                events = list(client.request(str(self.mount_root), "status"))
+                found = (events[-1] if events else {}).get("loader_fds") or {}
+                if found.get("socket") and os.access(found["socket"], os.R_OK | os.W_OK):
+                    self._socket = found["socket"]
+            except Exception:       # noqa: BLE001 - no daemon, an older one: read through the mount
+                self._socket = False
+        return self._socket or None
+
+    def _open(self, path: str, shard: int, name: str, size: int) -> _Blocks | None:
+        blocks: _Blocks | None = None
+        first = 0
+        try:
+            while blocks is None or first < len(blocks.fds):
+                reply, fds = _ask(path, {"shard": shard, "name": name, "first": first, "count": _MAX_BLOCKS})
+                try:
+                    if not reply.get("ok"):
+                        return None
+                    if blocks is None:
+                        blocks = _Blocks(int(reply["block_size"]), -(-size // int(reply["block_size"])))
+                    listed = reply["blocks"]
+                    if len(listed) != len(fds):
+                        raise ValueError("descriptors and blocks differ in number")
+                    for i, ((index, length), fd) in enumerate(zip(listed, fds, strict=True)):
+                        if 0 <= index < len(blocks.fds) and blocks.fds[index] is None:
+                            blocks.offsets[index] = _data_offset(fd, int(length))
+                            blocks.fds[index], fds[i] = fd, None
+                finally:
+                    for fd in fds:
+                        if fd is not None:
+                            os.close(fd)
+                first += _MAX_BLOCKS
+            return blocks
+        except BaseException:
+            if blocks is not None:
+                blocks.close()
+            raise
+
+
+def _ask(path: str, request: dict) -> tuple[dict, list]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(_TIMEOUT_S)
+        sock.connect(path)
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, _MAX_BLOCKS)
+        fds = list(fds)
+        try:
+            reply = json.loads(message.split(b"\n", 1)[0])
+        except ValueError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return reply, fds
+
+
+def _data_offset(fd: int, length: int) -> int:
+    """Where the data of a block file starts; ValueError unless its header is sound and says
+    ``length`` bytes (the descriptor is then closed by the caller)."""
+    head = os.pread(fd, 4096, 0)
+    try:
+        header = BlockHeader.parse(head if BlockHeader.peek_length(head) <= len(head)
+                                   else os.pread(fd, BlockHeader.peek_length(head), 0))
+    except Exception as exc:     # noqa: BLE001 - CorruptBlock and struct errors alike
+        raise ValueError(f"bad block file: {exc}") from None
+    if header.data_len != length or os.fstat(fd).st_size != header.length + length:
+        raise ValueError("block file size does not match its header")
+    os.posix_fadvise(fd, header.length, length, os.POSIX_FADV_WILLNEED)
+    return header.length
