@@ -323,10 +323,7 @@ def test_a_corrupt_cache_file_read_directly_falls_back_to_the_mount(s3_server, p
             f.seek(size - 4000)
             f.write(bytes([byte[0] ^ 0xFF]))
             damaged += 1
-    assert damaged >= 2
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:     # the daemon's reads see the damage too
-        f.write("3\n")
+    assert damaged >= 2       # written through the page cache: the daemon's own reads see it too
     with PackedIterableDataset(mnt.path, seed=2) as ds:
         got = dict(iter(ds))
     assert got == files

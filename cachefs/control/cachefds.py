@@ -2,8 +2,8 @@
 disk-tier files that hold a packed shard and reads them itself, with no FUSE request per read
 (the short-circuit local read of HDFS and Alluxio; DESIGN section 4, the packer's lever).
 
-A unix socket, ``CACHE_DIR/loader.sock``, mode 0600: only the daemon's user and root may connect,
-and they may read the cache files anyway. One request per connection, a JSON line::
+A unix socket, ``CACHE_DIR/loader.sock``, mode 0600, whose peers are checked (SO_PEERCRED): only
+the daemon's user and root are answered, and they may read the cache files anyway. One request per connection, a JSON line::
 
     {"shard": 3, "name": "00003.tfrecord", "first": 0, "count": 64}
 
@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import struct
 from contextlib import suppress
 from pathlib import Path
 
@@ -50,11 +51,8 @@ class CacheFds:
         try:
             with suppress(FileNotFoundError):
                 os.unlink(self.path)
-            old = os.umask(0o177)
-            try:
-                await sock.bind(str(self.path))
-            finally:
-                os.umask(old)
+            await sock.bind(str(self.path))
+            os.chmod(self.path, 0o600)      # connecting needs write permission: before this, only the owner had it
             sock.listen(16)
         except OSError as exc:
             sock.close()
@@ -75,6 +73,10 @@ class CacheFds:
     async def _serve(self, conn) -> None:
         fds: list[int] = []
         with conn:
+            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+            if uid not in (0, os.getuid()):     # the socket's mode says so too; this does not race it
+                return
             try:
                 with trio.fail_after(_REQUEST_TIMEOUT_S):
                     request = await _read_line(conn)
