@@ -44,6 +44,8 @@ class CacheFds:
         self.packed = packed
         self.tiers = tiers
         self.served = 0               # block descriptors handed out
+        self.refused = 0              # connections from other users
+        self.allowed_uids = {0, os.getuid()}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; when the socket cannot be made, log why and serve nothing."""
@@ -75,7 +77,8 @@ class CacheFds:
         with conn:
             _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                             struct.calcsize("3i")))
-            if uid not in (0, os.getuid()):     # the socket's mode says so too; this does not race it
+            if uid not in self.allowed_uids:     # the socket's mode says so too; this does not race it
+                self.refused += 1
                 return
             try:
                 with trio.fail_after(_REQUEST_TIMEOUT_S):

@@ -1,0 +1,123 @@
+"""The cache-file channel's daemon side (cachefs.control.cachefds) with a stand-in packed view and
+disk tier: requests, answers, descriptors, and who is answered. The real mount is in
+test_packed_mount.py (test_the_loader_reads_cached_shards_from_the_daemons_files_not_through_fuse)."""
+
+import json
+import os
+import socket
+import time
+
+import trio
+
+from cachefs.control.cachefds import MAX_BLOCKS, CacheFds
+from cachefs.tiers.cache import FileVersion
+
+BS = 1 << 20
+
+
+class Tiers:
+    """Blocks 0 and 2 of the shard on "disk" (files in tmp_path), block 1 not."""
+
+    block_size = BS
+
+    def __init__(self, tmp_path):
+        self.files = {}
+        for index in (0, 2):
+            path = tmp_path / f"block{index}"
+            path.write_bytes(bytes([index]) * 100)
+            self.files[index] = path
+
+    def key(self, f, index):
+        return index
+
+    def block_len(self, f, index):
+        return min(BS, f.size - index * BS)
+
+    def open_block_file(self, key):
+        path = self.files.get(key)
+        return os.open(path, os.O_RDONLY) if path else None
+
+
+class Packed:
+    def shard_version(self, number):
+        if number != 0:
+            raise IndexError(f"no shard {number}")
+        return FileVersion("shards/00000.tfrecord", '"e"', 3 * BS - 5)
+
+
+def ask(path, request: dict) -> tuple[dict | None, list[int]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 16, MAX_BLOCKS)
+        except ConnectionResetError:        # closed unanswered, our request unread
+            return None, []
+        return (json.loads(message) if message else None), list(fds)
+
+
+def eventually(condition) -> bool:
+    for _ in range(200):
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def serve(tmp_path, check):
+    channel = CacheFds(tmp_path, Packed(), Tiers(tmp_path))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(channel.run)
+            await trio.to_thread.run_sync(check, channel)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert not channel.path.exists()          # removed when the daemon stops
+    return channel
+
+
+def test_the_cached_blocks_come_with_their_descriptors(tmp_path):
+    def check(channel):
+        assert oct(os.stat(channel.path).st_mode & 0o777) == oct(0o600)
+        reply, fds = ask(channel.path, {"shard": 0, "name": "00000.tfrecord", "first": 0, "count": 10})
+        try:
+            assert reply == {"ok": True, "block_size": BS, "blocks": [[0, BS], [2, BS - 5]]}
+            assert [os.pread(fd, 1, 0) for fd in fds] == [b"\0", b"\2"]
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert eventually(lambda: channel.served == 2)     # counted once the answer is sent
+
+    serve(tmp_path, check)
+
+
+def test_bad_requests_get_an_error_and_no_descriptor(tmp_path):
+    def check(channel):
+        for request in ({"shard": 1, "name": "00001.tfrecord", "first": 0, "count": 1},      # no such shard
+                        {"shard": 0, "name": "00009.tfrecord", "first": 0, "count": 1},      # wrong name
+                        {"shard": 0, "name": "00000.tfrecord"},                              # fields missing
+                        {"shard": "x", "name": "00000.tfrecord", "first": 0, "count": 1}):
+            reply, fds = ask(channel.path, request)
+            assert reply["ok"] is False and "bad request" in reply["error"] and fds == []
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:     # not JSON
+            sock.connect(str(channel.path))
+            sock.sendall(b"\xff\xfe\n")
+            assert json.loads(sock.recv(4096))["ok"] is False
+        assert channel.served == 0
+
+    serve(tmp_path, check)
+
+
+def test_other_users_are_not_answered(tmp_path):
+    """SO_PEERCRED: a peer that is neither root nor the daemon's user gets no answer (here the
+    allowed set excludes this test's own uid)."""
+    def check(channel):
+        channel.allowed_uids = {os.getuid() + 4242}
+        reply, fds = ask(channel.path, {"shard": 0, "name": "00000.tfrecord", "first": 0, "count": 10})
+        assert reply is None and fds == []
+        assert eventually(lambda: channel.refused == 1) and channel.served == 0
+
+    serve(tmp_path, check)
