@@ -156,6 +156,10 @@ class SeaweedServer(_ProcessServer):
     stop_timeout = 3.0   # its graceful stop takes ~15 s; the data is disposable
 
     def _command(self) -> list[str]:
+        # -volume.max is fixed: with 0 SeaweedFS sizes it from the disk's free space (1 volume per
+        # GiB free), and every new bucket takes volumes of its own, so on a disk with ~40 GiB free
+        # a test module that makes a bucket per test ran out and PUTs failed with InternalError.
+        # Volumes are sparse files that grow as written: 300 costs nothing up front.
         ports = {key: free_port() for key in ("master", "volume", "filer")}
         grpc = {key: free_port() for key in ("master", "volume", "filer", "s3")}
         data = self.workdir / "seaweedfs-data"
@@ -167,7 +171,7 @@ class SeaweedServer(_ProcessServer):
             f"-filer.port={ports['filer']}", f"-filer.port.grpc={grpc['filer']}",
             "-filer", "-s3", f"-s3.port={self.port}", f"-s3.port.grpc={grpc['s3']}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=1024",
-            "-volume.max=0", "-volume.preStopSeconds=0", "-volume.fileSizeLimitMB=4096",
+            "-volume.max=300", "-volume.preStopSeconds=0", "-volume.fileSizeLimitMB=4096",
         ]
 
     def _ready(self) -> bool:
