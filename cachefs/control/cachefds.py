@@ -28,12 +28,13 @@ from pathlib import Path
 
 import trio
 
+from cachefs.control.protocol import CACHE_FILES_PER_ANSWER
 from cachefs.errors import CachefsError
 
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "loader.sock"
-MAX_BLOCKS = 128              # descriptors per answer (SCM_RIGHTS carries at most 253)
+MAX_BLOCKS = CACHE_FILES_PER_ANSWER       # descriptors per answer
 _MAX_REQUEST = 4096
 _REQUEST_TIMEOUT_S = 10.0
 

@@ -29,6 +29,9 @@ PROTOCOL_VERSION = 1                 # raise it when a request or reply changes 
 MIN_PROTOCOL_VERSION = 1             # the oldest client protocol this daemon still answers
 MAX_REQUEST = 1 << 20                # bytes in one request (a manifest is sent in parts)
 HELLO = "hello"                      # the handshake: {"protocol", "version", "commands", "restricted"}
+# The cache-file channel for local loaders (control/cachefds.py, data/direct.py): block
+# descriptors in one answer (SCM_RIGHTS carries at most 253).
+CACHE_FILES_PER_ANSWER = 128
 
 
 # ---- requests ------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ import socket
 from collections import OrderedDict
 from pathlib import Path
 
-from cachefs.tiers.disk.format import BlockHeader
+from cachefs.control.protocol import CACHE_FILES_PER_ANSWER
+from cachefs.errors import CorruptBlock
+from cachefs.tiers.disk.format import parse_block
 
 KEEP = 2
-_MAX_BLOCKS = 128           # cachefds.MAX_BLOCKS
 _TIMEOUT_S = 30.0
 
 
@@ -135,7 +136,7 @@ class DirectShards:
         first = 0
         try:
             while blocks is None or first < len(blocks.fds):
-                reply, fds = _ask(path, {"shard": shard, "name": name, "first": first, "count": _MAX_BLOCKS})
+                reply, fds = _ask(path, {"shard": shard, "name": name, "first": first, "count": CACHE_FILES_PER_ANSWER})
                 try:
                     if not reply.get("ok"):
                         return None
@@ -152,7 +153,7 @@ class DirectShards:
                     for fd in fds:
                         if fd is not None:
                             os.close(fd)
-                first += _MAX_BLOCKS
+                first += CACHE_FILES_PER_ANSWER
             return blocks
         except BaseException:
             if blocks is not None:
@@ -165,7 +166,7 @@ def _ask(path: str, request: dict) -> tuple[dict, list]:
         sock.settimeout(_TIMEOUT_S)
         sock.connect(path)
         sock.sendall(json.dumps(request).encode() + b"\n")
-        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, _MAX_BLOCKS)
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, CACHE_FILES_PER_ANSWER)
         fds = list(fds)
         try:
             reply = json.loads(message.split(b"\n", 1)[0])
@@ -177,15 +178,13 @@ def _ask(path: str, request: dict) -> tuple[dict, list]:
 
 
 def _data_offset(fd: int, length: int) -> int:
-    """Where the data of a block file starts; ValueError unless its header is sound and says
-    ``length`` bytes (the descriptor is then closed by the caller)."""
-    head = os.pread(fd, 4096, 0)
+    """Where the data of a block file starts; ValueError unless its header is sound, matches the
+    file's size (``format.parse_block``) and says ``length`` bytes (the caller closes the fd)."""
     try:
-        header = BlockHeader.parse(head if BlockHeader.peek_length(head) <= len(head)
-                                   else os.pread(fd, BlockHeader.peek_length(head), 0))
-    except Exception as exc:     # noqa: BLE001 - CorruptBlock and struct errors alike
+        header, _ = parse_block(fd, 0, os.pread)
+    except CorruptBlock as exc:
         raise ValueError(f"bad block file: {exc}") from None
-    if header.data_len != length or os.fstat(fd).st_size != header.length + length:
-        raise ValueError("block file size does not match its header")
+    if header.data_len != length:
+        raise ValueError(f"block file holds {header.data_len} bytes, not {length}")
     os.posix_fadvise(fd, header.length, length, os.POSIX_FADV_WILLNEED)
     return header.length
