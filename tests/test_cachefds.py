@@ -49,10 +49,10 @@ def ask(path, request: dict) -> tuple[dict | None, list[int]]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(str(path))
-        sock.sendall(json.dumps(request).encode() + b"\n")
         try:
+            sock.sendall(json.dumps(request).encode() + b"\n")
             message, fds, _, _ = socket.recv_fds(sock, 1 << 16, MAX_BLOCKS)
-        except ConnectionResetError:        # closed unanswered, our request unread
+        except (ConnectionResetError, BrokenPipeError):      # closed unanswered, our request unread
             return None, []
         return (json.loads(message) if message else None), list(fds)
 
