@@ -306,6 +306,30 @@ def test_the_loader_reads_cached_shards_from_the_daemons_files_not_through_fuse(
     assert not os.path.exists(channel["socket"])
 
 
+def test_dataloader_workers_use_the_channel_the_parent_found(s3_server, proxied, mount_factory, monkeypatch):
+    """The dataset looks the channel up once, where it is built: forked DataLoader workers use
+    that answer and do not each ask the daemon for its status as they start (which would delay
+    every worker's first sample). Here a worker's status request would fail, turning its channel
+    off; the cache files are read directly all the same."""
+    torch_data = pytest.importorskip("torch.utils.data")
+    from cachefs.control import client
+    proxy, bucket, client_s3 = proxied
+    files = make_files()
+    packed_bucket(s3_server, bucket, client_s3, files, "--shard-size", "1M")
+    mnt = mount(proxy, bucket, mount_factory).start()
+    assert cachefs("warmup", str(mnt.path)).returncode == 0
+    with PackedIterableDataset(mnt.path, seed=3) as ds:
+        def no_status(*args, **kwargs):
+            raise OSError("a worker asked the daemon for its status")
+        monkeypatch.setattr(client, "request", no_status)     # inherited by the forked workers
+        got = dict(torch_data.DataLoader(ds, batch_size=None, num_workers=2))
+        monkeypatch.undo()
+    assert got == files
+    manifest = json.loads((mnt / PACKED / "manifest.json").read_bytes())
+    assert mnt.status()["loader_fds"]["served"] >= manifest["shards"]
+    mnt.umount()
+
+
 def test_a_corrupt_cache_file_read_directly_falls_back_to_the_mount(s3_server, proxied, mount_factory):
     """A cache file damaged on disk: the loader's crc check catches it, drops the shard's files and
     reads through the mount, whose own check drops the block and fetches it again: right bytes."""

@@ -67,6 +67,9 @@ class DirectShards:
         self._pid = os.getpid()
         self._socket: str | None | bool = None     # None: not looked up yet; False: off
         self._shards: OrderedDict[int, _Blocks | None] = OrderedDict()
+        # Looked up here, once, in the process that builds the dataset: DataLoader workers inherit
+        # (or unpickle) the answer instead of each asking the daemon for its status as it starts.
+        self._socket_path()
 
     def __getstate__(self) -> dict:
         return {"mount_root": self.mount_root, "_pid": -1, "_socket": self._socket, "_shards": OrderedDict()}
@@ -186,5 +189,6 @@ def _data_offset(fd: int, length: int) -> int:
         raise ValueError(f"bad block file: {exc}") from None
     if header.data_len != length:
         raise ValueError(f"block file holds {header.data_len} bytes, not {length}")
-    os.posix_fadvise(fd, header.length, length, os.POSIX_FADV_WILLNEED)
+    # No WILLNEED here: advising a whole shard's files at once queues all of it (256 MiB) ahead
+    # of the first sample's read; each record's own pread starts just the I/O it needs.
     return header.length
