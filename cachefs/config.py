@@ -115,6 +115,9 @@ class MountConfig:
                 "boto3 in worker threads"})
     fsync_cache_files: bool = field(default=True, metadata={
         "help": "fsync disk-tier files before renaming them into place"})
+    cache_direct_io: bool = field(default=True, metadata={
+        "help": "write disk-tier files with O_DIRECT, not through the page cache (buffered where the "
+                "file system refuses it)"})
     fill_workers: int = field(default=4, metadata={"help": "threads writing the disk tier"})
     allow_other: bool = field(default=False, metadata={"help": "let other users (pods) access the mount"})
     uid: int | None = field(default=None, metadata={"help": "owner of all files (default: the mounter)"})

@@ -60,6 +60,7 @@ class Daemon:
         self.disk = DiskTier(os.path.join(cfg.cache_dir, "blocks"), capacity=cfg.cache_size,
                              free_space_ratio=cfg.free_space_ratio, metrics=metrics,
                              fsync=cfg.fsync_cache_files, fill_workers=cfg.fill_workers,
+                             direct_io=cfg.cache_direct_io,
                              max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20))
         self.memory = MemoryTier(cfg.mem_cache_size, metrics)
         # max_prefetches keeps the --max-prefetches option's old name; it bounds readahead GETs

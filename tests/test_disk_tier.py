@@ -764,3 +764,137 @@ def test_unwritable_cache_dir_raises_cache_dir_error(tmp_path, monkeypatch):
     tier = make_tier(tmp_path)
     with pytest.raises(CacheDirError, match="Read-only file system"):
         trio.run(tier.run)
+
+
+# ---- O_DIRECT writes (--cache-direct-io) ----------------------------------------------------------
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (mincore over a private mapping that touches no page)."""
+    import ctypes
+    import mmap
+    size = path.stat().st_size
+    page = mmap.PAGESIZE
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        pages = -(-size // page)
+        vec = (ctypes.c_ubyte * pages)()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        return sum(page for v in vec if v & 1)
+    finally:
+        mapped.close()
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 3 * 4096 + 17, 4 << 20])
+def test_direct_writes_skip_the_page_cache_and_read_back_exactly(tmp_path, size):
+    """A block file written with O_DIRECT (the tail padded, then truncated) has its exact size,
+    parses and holds the bytes, like a buffered one."""
+    direct = block_format.DirectWrites()
+    data = random.Random(size).randbytes(size)
+    (tmp_path / "tmp").mkdir()
+    for name, how in (("direct", direct), ("buffered", None)):
+        final = tmp_path / name
+        block_format.write_block_file([], tmp_path / "tmp" / f"{name}.tmp", final, data, CS, True, direct=how)
+        fd = os.open(final, os.O_RDONLY)
+        try:
+            header, _ = block_format.parse_block(fd, 0, os.pread)
+            assert os.fstat(fd).st_size == header.length + size
+            assert os.pread(fd, size + 1, header.length) == data
+        finally:
+            os.close(fd)
+    assert direct.refused == set()
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_direct_writes_leave_no_page_behind(tmp_path):
+    """What O_DIRECT is for: no copy in the page cache (a buffered write leaves it all there)."""
+    direct = block_format.DirectWrites()
+    data = random.Random(3).randbytes(1 << 20)
+    (tmp_path / "tmp").mkdir()
+    for name, how in (("direct", direct), ("buffered", None)):
+        block_format.write_block_file([], tmp_path / "tmp" / f"{name}.tmp", tmp_path / name, data, CS, False,
+                                      direct=how)
+    assert resident_bytes(tmp_path / "direct") == 0
+    assert resident_bytes(tmp_path / "buffered") >= len(data)
+
+
+@pytest.mark.parametrize("where", ["open", "write"])
+def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monkeypatch, where):
+    """EINVAL for O_DIRECT (at open, or at the first write: an alignment the device refuses): the
+    block is written buffered, right, with no temp file left, and that file system is not asked
+    again."""
+    direct = block_format.DirectWrites()
+    tries = []
+    real_open, real_pwritev = os.open, os.pwritev
+
+    def open_(path, flags, mode=0o777):
+        if flags & os.O_DIRECT:
+            tries.append(path)
+            if where == "open":
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    def pwritev(fd, buffers, offset):
+        if where == "write":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwritev(fd, buffers, offset)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    (tmp_path / "tmp").mkdir()
+    for i in range(3):
+        data = random.Random(i).randbytes(10_000 + i)
+        block_format.write_block_file([], tmp_path / "tmp" / f"{i}.tmp", tmp_path / f"b{i}", data, CS, True,
+                                      direct=direct)
+        monkeypatch.setattr(os, "open", real_open)
+        fd = os.open(tmp_path / f"b{i}", os.O_RDONLY)
+        header, _ = block_format.parse_block(fd, 0, os.pread)
+        assert os.pread(fd, len(data) + 1, header.length) == data
+        os.close(fd)
+        monkeypatch.setattr(os, "open", open_)
+    assert len(tries) == 1 and direct.refused == {os.stat(tmp_path / "tmp").st_dev}
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_failed_direct_write_leaves_no_temp_file_and_raises(tmp_path, monkeypatch):
+    direct = block_format.DirectWrites()
+
+    def pwritev(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(OSError) as info:
+        block_format.write_block_file([], tmp_path / "tmp" / "x.tmp", tmp_path / "x", b"y" * 5000, CS, True,
+                                      direct=direct)
+    assert info.value.errno == errno.ENOSPC
+    assert list((tmp_path / "tmp").iterdir()) == [] and not (tmp_path / "x").exists()
+    assert direct.refused == set()
+
+
+def test_direct_write_buffers_are_reused_and_bounded():
+    direct = block_format.DirectWrites(keep=2)
+    bufs = [direct._take(5000) for _ in range(3)]
+    assert all(len(b) >= 5000 and len(b) % (1 << 20) == 0 for b in bufs)
+    for b in bufs:
+        direct._give(b)
+    assert len(direct._free) == 2 and bufs[2].closed
+    again = direct._take(4096)
+    assert again is bufs[0]
+    bigger = direct._take(3 << 20)
+    assert bigger not in bufs and len(bigger) >= 3 << 20
+
+
+def test_the_tier_writes_with_o_direct_by_default(tmp_path, monkeypatch):
+    seen = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, flags, mode=0o777: seen.append(bool(flags & os.O_DIRECT))
+                        or real_open(path, flags, mode))
+    for direct_io in (True, False):
+        tier = make_tier(tmp_path / str(direct_io), direct_io=direct_io)
+
+        async def body(tier=tier):
+            seen.clear()
+            assert await tier.fill(key(1), blob(1))
+            assert tier.read(key(1), 0, len(blob(1))) == blob(1)
+        serve(tier, body)
+        assert (True in seen) is direct_io

@@ -7,8 +7,10 @@ Plain functions of paths, fds and bytes; they touch no shared structure, so the 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -224,7 +226,7 @@ def read_opened(fd: int, want: int, offset: int, size: int) -> tuple[int, BlockH
 # --- writes --------------------------------------------------------------------------------
 
 def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, chunk_size: int,
-                     fsync: bool) -> list[OSError]:
+                     fsync: bool, direct: DirectWrites | None = None) -> list[OSError]:
     """Unlink the evicted files, then write ``data`` crash-safely as ``final``.
 
     Returns the unlink errors (missing files are not errors); raises OSError if the write fails.
@@ -232,15 +234,16 @@ def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, ch
     errors = unlink_paths(doomed)
     header = BlockHeader.encode(data, chunk_size)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            written = os.writev(fd, [header, data])
-            if written < len(header) + len(data):    # a short writev (rare): finish the rest
-                write_all(fd, (header + data)[written:])
-            if fsync:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
+        if direct is None or not direct.write(tmp, header, data, fsync):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                written = os.writev(fd, [header, data])
+                if written < len(header) + len(data):    # a short writev (rare): finish the rest
+                    write_all(fd, (header + data)[written:])
+                if fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
         # No directory fsync: a rename lost in a crash is only a cache miss. The data is durable
         # before the rename, so a block file that exists never holds unwritten bytes.
         os.rename(tmp, final)
@@ -249,6 +252,84 @@ def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, ch
             os.unlink(tmp)
         raise
     return errors
+
+
+class DirectWrites:
+    """Block files written with O_DIRECT from page-aligned buffers that are reused, not through the
+    page cache (``--cache-direct-io``, on by default).
+
+    A buffered write copies every byte into page-cache pages: on the VMs we measure on, where a
+    page the guest has not touched lately faults to the host, 2.4-2.6 CPU-seconds per GiB, half
+    the daemon's CPU in a packed cold epoch; O_DIRECT from a reused buffer takes 0.2 s. It also
+    keeps a dataset larger than RAM from pushing everything else out of the page cache as it is
+    cached. Reads stay buffered.
+
+    The data goes through one copy into a buffer aligned for O_DIRECT (the header is already a
+    multiple of ``HEADER_ALIGN``); the tail is padded to it and the file truncated to its exact
+    size. A file system that refuses O_DIRECT (tmpfs, some FUSE or network file systems) gets
+    buffered writes from then on: ``refused`` holds its device numbers."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.refused: set[int] = set()
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def write(self, tmp: Path, header: bytes, data: bytes, fsync: bool) -> bool:
+        """Write ``header + data`` as the new file ``tmp``; False (and no file) when its file
+        system refuses O_DIRECT: the caller then writes it buffered."""
+        if self.refused and _device(tmp.parent) in self.refused:
+            return False
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.refused.add(_device(tmp.parent))
+            return False
+        total = len(header) + len(data)
+        padded = round_up(total, HEADER_ALIGN)
+        buf = self._take(padded)
+        try:
+            buf[:len(header)] = header
+            buf[len(header):total] = data
+            buf[total:padded] = bytes(padded - total)
+            with memoryview(buf) as view:
+                done = 0
+                while done < padded:
+                    done += os.pwritev(fd, [view[done:padded]], done)
+            if padded != total:
+                os.ftruncate(fd, total)
+            if fsync:
+                os.fdatasync(fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:          # the caller removes tmp
+                raise
+            os.unlink(tmp)                         # an alignment this device refuses: buffered it is
+            self.refused.add(_device(tmp.parent))
+            return False
+        finally:
+            self._give(buf)
+            os.close(fd)
+        return True
+
+    def _take(self, size: int) -> mmap.mmap:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) >= size:
+                    return self._free.pop(i)
+        return mmap.mmap(-1, round_up(size, 1 << 20))     # anonymous mappings are page-aligned
+
+    def _give(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+                return
+        buf.close()
+
+
+def _device(directory: Path) -> int:
+    return os.stat(directory).st_dev
 
 
 def unlink_paths(paths: list[Path]) -> list[OSError]:

@@ -9,6 +9,7 @@ disk), ``reader`` (the read policy). This module owns the fill queue, unlinks, h
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -52,7 +53,7 @@ class DiskTier:
     def __init__(self, root: Path, *, capacity: int, free_space_ratio: float, metrics: Metrics,
                  fsync: bool = True, fill_workers: int = 4, max_pending_fill_bytes: int = 256 << 20,
                  chunk_size: int = 128 << 10, health: DiskHealth | None = None,
-                 warm_workers: int = 8) -> None:
+                 warm_workers: int = 8, direct_io: bool = True) -> None:
         self.layout = Layout(root)
         self.root = self.layout.root
         self._metrics = metrics
@@ -76,7 +77,10 @@ class DiskTier:
         self.pins = PinSet(self.root / "pins")
         self._fill_send, self._fill_recv = trio.open_memory_channel[_FillJob](math.inf)
         self._nursery: trio.Nursery | None = None
-        self._write_file = fmt.write_block_file       # a seam for tests: a blocking call that can fail
+        # O_DIRECT writes (format.DirectWrites): no copy into the page cache for every cached byte
+        self.direct = fmt.DirectWrites(keep=max(warm_workers, fill_workers)) if direct_io else None
+        # a seam for tests: a blocking call that can fail
+        self._write_file = functools.partial(fmt.write_block_file, direct=self.direct)
         metrics.tier_capacity_bytes.labels(_TIER).set(capacity)
         self._update_gauges()
 
