@@ -2,11 +2,17 @@
 disk tier: requests, answers, descriptors, and who is answered. The real mount is in
 test_packed_mount.py (test_the_loader_reads_cached_shards_from_the_daemons_files_not_through_fuse)."""
 
+import errno
 import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
+import pytest
 import trio
 
 from cachefs.control.cachefds import MAX_BLOCKS, CacheFds
@@ -121,3 +127,50 @@ def test_other_users_are_not_answered(tmp_path):
         assert eventually(lambda: channel.refused == 1) and channel.served == 0
 
     serve(tmp_path, check)
+
+
+NOBODY = 65534
+_AS_NOBODY = r"""
+import json, socket, sys
+try:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(sys.argv[1])
+        sock.sendall(json.dumps({"shard": 0, "name": "00000.tfrecord", "first": 0, "count": 10}).encode() + b"\n")
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 16)
+        print(json.dumps({"message": message.decode(), "fds": len(fds)}))
+except OSError as exc:
+    print(json.dumps({"errno": exc.errno}))
+"""
+
+
+def test_a_real_second_user_gets_no_descriptor(tmp_path):
+    """A process of another user (nobody, started by root): the 0600 socket refuses its connect
+    (EACCES); with the mode opened up by mistake, the peer check still sends it nothing."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    python = shutil.which("python3", path="/usr/bin:/bin")      # one nobody may run (not a venv under /root)
+    if python is None:
+        pytest.skip("no system python3 for the other user")
+    base = tempfile.mkdtemp(prefix="cachefds-", dir="/tmp")     # pytest's tmp_path is 0700: nobody cannot reach it
+    try:
+        os.chmod(base, 0o755)
+        def as_nobody(path) -> dict:
+            done = subprocess.run([python, "-c", _AS_NOBODY, str(path)], user=NOBODY, group=NOBODY,
+                                  capture_output=True, text=True, timeout=30, check=True)
+            return json.loads(done.stdout)
+
+        def check(channel):
+            assert as_nobody(channel.path) == {"errno": errno.EACCES}
+            os.chmod(channel.path, 0o666)
+            got = as_nobody(channel.path)
+            assert got.get("fds", 0) == 0 and "blocks" not in got.get("message", "")
+            assert eventually(lambda: channel.refused == 1) and channel.served == 0
+            reply, fds = ask(channel.path, {"shard": 0, "name": "00000.tfrecord", "first": 0, "count": 10})
+            for fd in fds:
+                os.close(fd)
+            assert reply["ok"] is True and len(fds) == 2          # root is still answered
+
+        serve(Path(base), check)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
