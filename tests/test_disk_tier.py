@@ -820,7 +820,7 @@ def test_direct_writes_leave_no_page_behind(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["open", "write"])
-def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monkeypatch, where):
+def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monkeypatch, caplog, where):
     """EINVAL for O_DIRECT (at open, or at the first write: an alignment the device refuses): the
     block is written buffered, right, with no temp file left, and that file system is not asked
     again."""
@@ -841,6 +841,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
         return real_pwritev(fd, buffers, offset)
     monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "pwritev", pwritev)
+    caplog.set_level("INFO", logger="cachefs.tiers.disk.format")
     (tmp_path / "tmp").mkdir()
     for i in range(3):
         data = random.Random(i).randbytes(10_000 + i)
@@ -854,6 +855,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
         monkeypatch.setattr(os, "open", open_)
     assert len(tries) == 1 and direct.refused == {os.stat(tmp_path / "tmp").st_dev}
     assert list((tmp_path / "tmp").iterdir()) == []
+    assert sum("refuses O_DIRECT" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_failed_direct_write_leaves_no_temp_file_and_raises(tmp_path, monkeypatch):

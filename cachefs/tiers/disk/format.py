@@ -7,6 +7,7 @@ Plain functions of paths, fds and bytes; they touch no shared structure, so the 
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import struct
@@ -20,6 +21,8 @@ from typing import NamedTuple
 import xxhash
 
 from cachefs.errors import CorruptBlock
+
+log = logging.getLogger(__name__)
 
 HEADER_ALIGN = 4096
 _MAX_CHUNKS = 1 << 20
@@ -264,10 +267,10 @@ class DirectWrites:
     keeps a dataset larger than RAM from pushing everything else out of the page cache as it is
     cached. Reads stay buffered.
 
-    The data goes through one copy into a buffer aligned for O_DIRECT (the header is already a
-    multiple of ``HEADER_ALIGN``); the tail is padded to it and the file truncated to its exact
-    size. A file system that refuses O_DIRECT (tmpfs, some FUSE or network file systems) gets
-    buffered writes from then on: ``refused`` holds its device numbers."""
+    The data goes through one copy into a page-aligned buffer; the tail is padded to
+    ``HEADER_ALIGN`` and the file truncated to its exact size. A file system that refuses O_DIRECT
+    (EINVAL: tmpfs before Linux 6.6, some FUSE or network file systems) gets buffered writes from
+    then on, logged once: ``refused`` holds its device numbers."""
 
     def __init__(self, keep: int = 8) -> None:
         self.keep = keep
@@ -285,7 +288,7 @@ class DirectWrites:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            self.refused.add(_device(tmp.parent))
+            self._refuse(tmp.parent)
             return False
         total = len(header) + len(data)
         padded = round_up(total, HEADER_ALIGN)
@@ -306,12 +309,19 @@ class DirectWrites:
             if exc.errno != errno.EINVAL:          # the caller removes tmp
                 raise
             os.unlink(tmp)                         # an alignment this device refuses: buffered it is
-            self.refused.add(_device(tmp.parent))
+            self._refuse(tmp.parent)
             return False
         finally:
             self._give(buf)
             os.close(fd)
         return True
+
+    def _refuse(self, directory: Path) -> None:
+        device = _device(directory)
+        if device not in self.refused:
+            self.refused.add(device)
+            log.info("disk tier: the file system of %s refuses O_DIRECT; block files are written "
+                     "through the page cache", directory)
 
     def _take(self, size: int) -> mmap.mmap:
         with self._lock:
