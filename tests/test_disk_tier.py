@@ -856,6 +856,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
     assert len(tries) == 1 and direct.refused == {os.stat(tmp_path / "tmp").st_dev}
     assert list((tmp_path / "tmp").iterdir()) == []
     assert sum("refuses O_DIRECT" in r.getMessage() for r in caplog.records) == 1
+    assert direct.mode() == "buffered (O_DIRECT refused)"
 
 
 def test_a_failed_direct_write_leaves_no_temp_file_and_raises(tmp_path, monkeypatch):
@@ -900,3 +901,4 @@ def test_the_tier_writes_with_o_direct_by_default(tmp_path, monkeypatch):
             assert tier.read(key(1), 0, len(blob(1))) == blob(1)
         serve(tier, body)
         assert (True in seen) is direct_io
+        assert tier.stats()["writes"] == ("O_DIRECT" if direct_io else "buffered")

@@ -302,6 +302,7 @@ def test_the_loader_reads_cached_shards_from_the_daemons_files_not_through_fuse(
     assert served >= manifest["shards"]
     shown = cachefs("status", str(mnt.path))
     assert f"local loaders: {served} cache files handed over" in shown.stdout
+    assert "writes O_DIRECT" in shown.stdout and mnt.status()["tiers"]["disk"]["writes"] == "O_DIRECT"
     mnt.umount()
     assert not os.path.exists(channel["socket"])
 

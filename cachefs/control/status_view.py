@@ -23,6 +23,7 @@ def render(status: dict) -> str:
         t = status["tiers"][tier]
         used = f"{size(t.get('used_bytes'))} / {size(t.get('capacity_bytes', t.get('capacity')))}"
         extra = f"  health {t['health']}" if "health" in t else ""
+        extra += f"  writes {t['writes']}" if "writes" in t else ""
         lines.append(f"  {tier:<7} {used:<24} {t.get('blocks', 0):>8} blocks  hit ratio "
                      f"{ratio(t['hit_ratio']):>6} ({t['hits']} hits, {t['misses']} misses){extra}")
     requests = ", ".join(f"{k}: {v}" for k, v in sorted(status["store_requests"].items())) or "none"

@@ -316,6 +316,10 @@ class DirectWrites:
             os.close(fd)
         return True
 
+    def mode(self) -> str:
+        """How block files are written now: ``O_DIRECT``, or buffered after a refusal."""
+        return "buffered (O_DIRECT refused)" if self.refused else "O_DIRECT"
+
     def _refuse(self, directory: Path) -> None:
         device = _device(directory)
         if device not in self.refused:

@@ -437,4 +437,5 @@ class DiskTier:
             "held_bytes": self._index.held_bytes,
             "pending_fill_bytes": self._pending_bytes,
             "health": self._health.name,
+            "writes": "buffered" if self.direct is None else self.direct.mode(),
         }
