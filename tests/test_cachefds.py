@@ -39,6 +39,9 @@ class Tiers:
     def block_len(self, f, index):
         return min(BS, f.size - index * BS)
 
+    def block_count(self, f):
+        return -(-f.size // BS)
+
     def open_block_file(self, key):
         path = self.files.get(key)
         return os.open(path, os.O_RDONLY) if path else None

@@ -112,7 +112,7 @@ class CacheFds:
             raise ValueError(f"shard {number} is {f.path}, not {name}")
         fds: list[int] = []
         blocks = []
-        for index in range(first, min(first + count, -(-f.size // self.tiers.block_size))):
+        for index in range(first, min(first + count, self.tiers.block_count(f))):
             fd = self.tiers.open_block_file(self.tiers.key(f, index))
             if fd is not None:
                 fds.append(fd)

@@ -125,8 +125,11 @@ class Tiers:
     def key(self, f: FileVersion, index: int) -> BlockKey:
         return BlockKey(self.store.identity, f.path, f.etag, self.block_size, index)
 
+    def block_count(self, f: FileVersion) -> int:
+        return -(-f.size // self.block_size)
+
     def keys(self, f: FileVersion) -> Iterator[BlockKey]:
-        return (self.key(f, i) for i in range(-(-f.size // self.block_size)))
+        return (self.key(f, i) for i in range(self.block_count(f)))
 
     def block_len(self, f: FileVersion, index: int) -> int:
         return min(self.block_size, f.size - index * self.block_size)

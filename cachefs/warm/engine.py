@@ -332,7 +332,7 @@ class Warmer:
         self.vfs.adopt_file(info)
         work.version = FileVersion(info.path, info.etag, info.size)
         job.bytes += info.size - old.size
-        indices = range(-(-info.size // self.tiers.block_size))
+        indices = range(self.tiers.block_count(work.version))
         work.pending = len(indices)
         self.tiers.hold(work.version, job.held)
         if work.restarts > 3:
