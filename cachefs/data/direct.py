@@ -7,11 +7,12 @@ unix socket in its cache dir that only its user and root can open), and the load
 them directly: the short-circuit local read of HDFS and Alluxio.
 
 Only blocks the disk tier holds when a process first reads a shard are handed over; a sample in
-any other block is read through the mount as before (which fetches it). The caller checks every record's crc32c; a mismatch drops the
-shard's descriptors and the sample is read through the mount, which verifies and refetches.
-Descriptors belong to one process (DataLoader workers fork), and at most ``KEEP`` shards' worth
-are held. Anything unexpected (no daemon, an older one, a socket we may not open) turns the
-channel off for the process, silently: the mount still works.
+any other block is read through the mount as before (which fetches it). The caller checks every
+record's crc32c; a mismatch drops the shard's descriptors and the sample is read through the
+mount, which verifies and refetches. Descriptors belong to one process (DataLoader workers fork),
+and at most ``KEEP`` shards' worth are held. The socket is found once, when the dataset is built;
+anything unexpected there (no daemon, an older one, a socket we may not open) turns the channel
+off for that dataset, silently: the mount still works.
 """
 
 import json
@@ -65,11 +66,10 @@ class DirectShards:
     def __init__(self, mount_root: Path) -> None:
         self.mount_root = mount_root
         self._pid = os.getpid()
-        self._socket: str | None | bool = None     # None: not looked up yet; False: off
-        self._shards: OrderedDict[int, _Blocks | None] = OrderedDict()
         # Looked up here, once, in the process that builds the dataset: DataLoader workers inherit
         # (or unpickle) the answer instead of each asking the daemon for its status as it starts.
-        self._socket_path()
+        self._socket = _find_socket(mount_root)     # None: the channel is off
+        self._shards: OrderedDict[int, _Blocks | None] = OrderedDict()
 
     def __getstate__(self) -> dict:
         return {"mount_root": self.mount_root, "_pid": -1, "_socket": self._socket, "_shards": OrderedDict()}
@@ -107,11 +107,10 @@ class DirectShards:
         if shard in self._shards:
             self._shards.move_to_end(shard)
             return self._shards[shard]
-        path = self._socket_path()
         blocks = None
-        if path:
+        if self._socket is not None:
             try:
-                blocks = self._open(path, shard, name, size)
+                blocks = self._open(self._socket, shard, name, size)
             except (OSError, ValueError, KeyError, TypeError):
                 blocks = None
         while len(self._shards) >= KEEP:
@@ -120,19 +119,6 @@ class DirectShards:
                 old.close()
         self._shards[shard] = blocks
         return blocks
-
-    def _socket_path(self) -> str | None:
-        if self._socket is None:
-            self._socket = False
-            try:
-                from cachefs.control import client
-                events = list(client.request(str(self.mount_root), "status"))
-                found = (events[-1] if events else {}).get("loader_fds") or {}
-                if found.get("socket") and os.access(found["socket"], os.R_OK | os.W_OK):
-                    self._socket = found["socket"]
-            except Exception:       # noqa: BLE001 - no daemon, an older one: read through the mount
-                self._socket = False
-        return self._socket or None
 
     def _open(self, path: str, shard: int, name: str, size: int) -> _Blocks | None:
         blocks: _Blocks | None = None
@@ -162,6 +148,19 @@ class DirectShards:
             if blocks is not None:
                 blocks.close()
             raise
+
+
+def _find_socket(mount_root: Path) -> str | None:
+    """The channel's socket, from the daemon's status, if this process may connect to it."""
+    try:
+        from cachefs.control import client
+        events = list(client.request(str(mount_root), "status"))
+        found = (events[-1] if events else {}).get("loader_fds") or {}
+        if found.get("socket") and os.access(found["socket"], os.R_OK | os.W_OK):
+            return found["socket"]
+    except Exception:       # noqa: BLE001 - no daemon, an older one: read through the mount
+        pass
+    return None
 
 
 def _ask(path: str, request: dict) -> tuple[dict, list]:
