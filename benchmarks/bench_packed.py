@@ -27,6 +27,7 @@ from pathlib import Path
 from benchmarks import dataset, packed_rows, readers
 from benchmarks.bench_read import resolve_server, settle, use_local_credentials
 from benchmarks.cachefs_mount import CachefsMount, cachefs_available, drop_page_cache, remove_tree
+from benchmarks.cpu_meter import CPU_GROUPS, CpuMeter, cpu_text
 from benchmarks.readers import Result, Tally
 from benchmarks.s3_servers import ProxyProcess, start_server
 
@@ -86,11 +87,17 @@ class Bench:
         self.rows: dict[str, dict] = {}
         self.extra: dict[str, object] = {}
         self.env = {**os.environ}
+        self.store_pids: list[int | None] = []     # the S3 server and the latency proxy
 
-    def record(self, key: str, result: Result | None = None, **fields) -> dict:
+    def meter(self, daemon: list[int | None] = ()) -> CpuMeter:
+        return CpuMeter(daemon=daemon, store=self.store_pids)
+
+    def record(self, key: str, result: Result | None = None, cpu: CpuMeter | None = None, **fields) -> dict:
         row = {"name": fields.pop("name", result.name if result else key)}
         if result is not None:
             row.update(result.to_dict(), ok=result.ok)
+        if cpu is not None and result is not None:
+            row.update(cpu.per_file(result.tally.files))
         row.update(fields)
         self.rows[key] = row
         rate = f"{row['files_per_s']:>8.0f} files/s" if row.get("files_per_s") else " " * 16
@@ -98,30 +105,37 @@ class Bench:
         note = f"  {row['note']}" if row.get("note") else ""
         err = "" if row.get("ok", True) else f"  ERRORS: {row.get('first_error') or row.get('error')}"
         print(f"  {row['name']:<44} {rate} {seconds}{note}{err}", flush=True)
+        if "cpu_total_ms" in row:
+            print(f"  {'':<44} {cpu_text(row)}", flush=True)
         return row
 
     # -- baselines
     def local_rows(self) -> None:
         drop_page_cache()
         ds = packed_rows.FileDataset(self.root, [e.path for e in self.entries])
-        self.record("local_loader", packed_rows.loader_epoch(
-            f"local disk, DataLoader {self.args.workers} workers", ds, self.entries, self.args.workers,
-            self.args.seed))
+        with self.meter() as cpu:
+            result = packed_rows.loader_epoch(f"local disk, DataLoader {self.args.workers} workers", ds,
+                                              self.entries, self.args.workers, self.args.seed)
+        self.record("local_loader", result, cpu)
 
     def boto3_rows(self, endpoint_url: str) -> None:
         client = dataset.s3_client(endpoint_url, pool=self.args.readers + 4)
         drop_page_cache()
-        self.record("boto3", readers.read_s3(f"boto3 GETs, {self.args.readers} threads", client, BUCKET,
-                                             SRC, self.order, self.args.readers, VERIFY_EVERY),
-                    gets=len(self.order))
+        with self.meter() as cpu:
+            result = readers.read_s3(f"boto3 GETs, {self.args.readers} threads", client, BUCKET, SRC,
+                                     self.order, self.args.readers, VERIFY_EVERY)
+        self.record("boto3", result, cpu, gets=len(self.order))
 
     def pack_rows(self, endpoint_url: str) -> None:
         n = self.args.pack_concurrency
         client = dataset.s3_client(endpoint_url, pool=n + 4)
-        self.record("copy", packed_rows.boto3_copy(f"boto3 copy (GET+PUT), {n} threads", client, BUCKET,
-                                                   SRC, COPY, self.entries, n))
-        run = packed_rows.pack_run(f"s3://{BUCKET}/{SRC}", f"s3://{BUCKET}/{PACKED}", endpoint_url, n,
-                                   self.args.shard_size, self.env)
+        with self.meter() as cpu:
+            result = packed_rows.boto3_copy(f"boto3 copy (GET+PUT), {n} threads", client, BUCKET, SRC, COPY,
+                                            self.entries, n)
+        self.record("copy", result, cpu)
+        with self.meter() as pack_cpu:     # the CLI is a child this process waits for: client CPU
+            run = packed_rows.pack_run(f"s3://{BUCKET}/{SRC}", f"s3://{BUCKET}/{PACKED}", endpoint_url, n,
+                                       self.args.shard_size, self.env)
         summary = run["summary"]
         tally = Tally(files=int(summary.get("total_files", 0)), bytes=int(summary.get("total_bytes", 0)))
         if run["returncode"] != 0:
@@ -130,7 +144,7 @@ class Bench:
             tally.error(f"packed {tally.files} files / {tally.bytes} bytes, expected {len(self.entries)}")
         from cachefs.config import parse_size
         bound = 2 * parse_size(self.args.shard_size) + 256 * MiB
-        self.record("pack", Result(f"cachefs pack, --concurrency {n}", run["seconds"], tally),
+        self.record("pack", Result(f"cachefs pack, --concurrency {n}", run["seconds"], tally), pack_cpu,
                     peak_rss=run["peak_rss"], rss_bound=bound, shards=summary.get("total_shards"),
                     note=f"peak RSS {run['peak_rss'] / MiB:.0f} MiB (bound {bound // MiB})")
 
@@ -155,11 +169,12 @@ class Bench:
                 before = gets(mnt)
                 ds = PackedIterableDataset(root, seed=self.args.seed)
                 try:
-                    result = packed_rows.loader_epoch(name, ds, self.entries, self.args.workers)
+                    with self.meter([mnt.pid]) as cpu:
+                        result = packed_rows.loader_epoch(name, ds, self.entries, self.args.workers)
                 finally:
                     ds.close()
                 fds = (mnt.status().get("loader_fds") or {}).get("served", 0)
-                self.record(key, result, gets=gets(mnt) - before, loader_root=str(root), cache_fds=fds,
+                self.record(key, result, cpu, gets=gets(mnt) - before, loader_root=str(root), cache_fds=fds,
                             note=f"{fds} cache files read directly")
                 if key == "loader_cold":
                     settle(mnt)
@@ -175,8 +190,9 @@ class Bench:
                 return
             drop_page_cache()
             before = gets(mnt)
-            result = readers.read_files(name, mnt.mountpoint, self.order, self.args.readers, VERIFY_EVERY)
-            self.record("packed_cold", result, gets=gets(mnt) - before)
+            with self.meter([mnt.pid]) as cpu:
+                result = readers.read_files(name, mnt.mountpoint, self.order, self.args.readers, VERIFY_EVERY)
+            self.record("packed_cold", result, cpu, gets=gets(mnt) - before)
             self.extra["status_packed_mount"] = mnt.status()
             self.extra["peak_rss_packed_mount"] = mnt.peak_rss()
 
@@ -188,8 +204,9 @@ class Bench:
             with self.mount(f"s3://{BUCKET}/{SRC}", endpoint_url, cache) as mnt:
                 drop_page_cache()
                 before = gets(mnt)
-                result = readers.read_files(name, mnt.mountpoint, self.order, self.args.readers, VERIFY_EVERY)
-                self.record(key, result, gets=gets(mnt) - before)
+                with self.meter([mnt.pid]) as cpu:
+                    result = readers.read_files(name, mnt.mountpoint, self.order, self.args.readers, VERIFY_EVERY)
+                self.record(key, result, cpu, gets=gets(mnt) - before)
                 if key == "unpacked_cold":
                     settle(mnt)
 
@@ -197,7 +214,8 @@ class Bench:
     def peer_rows(self, endpoint_url: str, direct_url: str) -> None:
         job = {"endpoint_url": endpoint_url, "direct_url": direct_url, "bucket": BUCKET, "src_prefix": SRC,
                "root": str(self.root), "files": [[e.path, e.size] for e in self.entries],
-               "workers": self.args.workers, "seed": self.args.seed}
+               "workers": self.args.workers, "seed": self.args.seed,
+               "store_pids": [pid for pid in self.store_pids if pid]}   # metered in the peer's process
         total = sum(e.size for e in self.entries)
         for peer in self.args.peers:
             drop_page_cache()
@@ -218,7 +236,7 @@ class Bench:
             if out["missing"]:
                 tally.error(f"{out['missing']} files never yielded")
             self.record(f"{peer}_epoch", Result(f"{label} {version}, first epoch, {self.args.workers} workers",
-                                                out["epoch_s"], tally), version=version)
+                                                out["epoch_s"], tally), version=version, **out.get("cpu", {}))
 
 
 def packed_root(mountpoint: Path) -> Path | None:
@@ -283,7 +301,8 @@ def ratios(rows: dict, files: int) -> list[dict]:
 
 
 def render(rows: dict, rats: list[dict], header: str) -> str:
-    lines = [header, "", f"{'row':<62} {'files/s':>8} {'MB/s':>7} {'seconds':>8} {'GETs':>6}  ok"]
+    lines = [header, "", f"{'row':<62} {'files/s':>8} {'MB/s':>7} {'seconds':>8} {'GETs':>6}  ok   "
+                         f"{'CPUs':>4}  CPU ms/file: daemon / store / client / other{'cap':>12}"]
     for row in rows.values():
         if row.get("seconds") is None:
             lines.append(f"{row['name']:<62} {row.get('note') or row.get('error', '')}")
@@ -291,7 +310,7 @@ def render(rows: dict, rats: list[dict], header: str) -> str:
         get_count = row.get("gets")
         lines.append(f"{row['name']:<62} {row['files_per_s']:>8.0f} {row['mb_per_s']:>7.1f} "
                      f"{row['seconds']:>8.2f} {'-' if get_count is None else get_count:>6}  "
-                     f"{'yes' if row.get('ok') else 'NO'}")
+                     f"{'yes' if row.get('ok') else 'NO ':<3}  {cpu_columns(row)}")
     lines += ["", f"{'ratio':<62} {'value':>8} {'target':>8}  met"]
     for r in rats:
         value = "n/a" if r["value"] is None else f"{r['value']:.0f}" if r.get("at_most") else f"{r['value']:.2f}"
@@ -299,6 +318,14 @@ def render(rows: dict, rats: list[dict], header: str) -> str:
         verdict = {None: "", True: "met", False: "NOT MET"}[r["pass"]]
         lines.append(f"{r['label']:<62} {value:>8} {target:>8}  {verdict}")
     return "\n".join(lines)
+
+
+def cpu_columns(row: dict) -> str:
+    """Busy CPUs, CPU ms per file by group and the CPU cap (files/s) of a metered row, or ''."""
+    if "cpu_total_ms" not in row:
+        return ""
+    groups = " / ".join("-" if f"cpu_{g}_ms" not in row else f"{row[f'cpu_{g}_ms']:.2f}" for g in CPU_GROUPS[:4])
+    return f"{row['cpu_cores']:>4.2f}  {groups:<42} {row['cap_files_s']:>8.0f}"
 
 
 def describe(args: argparse.Namespace, entries: list[dataset.Entry], server: str) -> str:
@@ -368,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
         server = stack.enter_context(start_server(server_name, args.workdir / "server"))
         timings["upload_s"] = dataset.upload(bench.root, entries, server.endpoint_url, BUCKET, SRC)
         proxy = stack.enter_context(ProxyProcess(server.endpoint_url, args.latency_ms))
+        bench.store_pids = [server.pid, proxy.pid]
         steps = {"local": bench.local_rows, "boto3": lambda: bench.boto3_rows(proxy.endpoint_url),
                  "pack": lambda: bench.pack_rows(proxy.endpoint_url),
                  "loader": lambda: bench.loader_rows(proxy.endpoint_url),

@@ -45,7 +45,7 @@ from benchmarks.cachefs_mount import (
     drop_page_cache,
     remove_tree,
 )
-from benchmarks.cpu_meter import CpuMeter, pids_with_arg
+from benchmarks.cpu_meter import CPU_GROUPS, CpuMeter, cpu_text, pids_with_arg
 from benchmarks.peer_mounts import RcloneMount, S3fsMount, s3fs_available
 from benchmarks.readers import Result
 from benchmarks.s3_servers import ProxyProcess, start_server
@@ -220,14 +220,6 @@ def ratios(rows: dict[str, dict], bandwidth_mbps: float) -> list[dict]:
         value = a[metric] / b
         out.append({"label": label, "ratio": round(value, 2), "target": minimum, "pass": value >= minimum})
     return out
-
-
-CPU_GROUPS = ("daemon", "store", "client", "other", "total")
-
-
-def cpu_text(row: dict) -> str:
-    parts = " ".join(f"{name} {row[f'cpu_{name}_ms']:.2f}" for name in CPU_GROUPS if f"cpu_{name}_ms" in row)
-    return f"CPU ms/file: {parts}; {row['cpu_cores']:.2f} CPUs busy; cap {row['cap_files_s']:.0f} files/s"
 
 
 def render(rows: dict[str, dict], bandwidth_mbps: float, header: str) -> str:

@@ -120,3 +120,13 @@ class CpuMeter:
         total_ms = out["cpu_total_ms"]
         out["cap_files_s"] = round((os.cpu_count() or 1) * 1e3 / total_ms, 1) if total_ms else 0.0
         return out
+
+
+#: the groups the benchmarks report, in their order (``other``: kernel threads and noise; see above)
+CPU_GROUPS = ("daemon", "store", "client", "other", "total")
+
+
+def cpu_text(row: dict) -> str:
+    """One line: a row's CPU ms per file by group, the busy CPUs and the CPU cap."""
+    parts = " ".join(f"{name} {row[f'cpu_{name}_ms']:.2f}" for name in CPU_GROUPS if f"cpu_{name}_ms" in row)
+    return f"CPU ms/file: {parts}; {row['cpu_cores']:.2f} CPUs busy; cap {row['cap_files_s']:.0f} files/s"

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.cpu_meter import CpuMeter  # stdlib only: importable in every peer's venv
+
 SHARD_BYTES = 64 * 1000 * 1000     # the peers' own default shard/chunk size (MDS, LitData: 64 MB)
 PEERS = ("streaming", "litdata", "webdataset", "s3torch")
 PACKAGES = {"streaming": "mosaicml-streaming", "litdata": "litdata", "webdataset": "webdataset",
@@ -246,9 +248,11 @@ def run(peer: str, job: dict, step: str) -> dict:
     cache = Path(tempfile.mkdtemp(prefix=f"{peer}-cache-", dir=job["scratch"]))
     try:
         start = time.monotonic()
-        dataset = globals()[f"{peer}_dataset"](job, cache)
-        out.update(epoch(job, peer, dataset))
+        with CpuMeter(store=job.get("store_pids", [])) as cpu:   # the DataLoader's workers are joined in it
+            dataset = globals()[f"{peer}_dataset"](job, cache)
+            out.update(epoch(job, peer, dataset))
         out["epoch_s"] = round(time.monotonic() - start, 3)
+        out["cpu"] = cpu.per_file(out["files"])
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return out

@@ -146,3 +146,29 @@ def test_packed_root_finds_the_layout(tmp_path):
     assert bench_packed.packed_root(tmp_path) == tmp_path / ".cachefs-packed"
     (tmp_path / "manifest.json").write_text("{}")
     assert bench_packed.packed_root(Path(tmp_path)) == tmp_path
+
+
+def test_a_metered_row_says_where_its_cpu_went(tmp_path, capsys):
+    """A row recorded with a CpuMeter carries CPU ms per file by group, busy CPUs and the CPU cap;
+    a busy child the row waited for is client CPU; the table shows the columns for that row only."""
+    import argparse
+    import subprocess
+    import sys
+
+    args = argparse.Namespace(workdir=tmp_path, seed=0)
+    bench = bench_packed.Bench(args, [Entry("a", 1, "")])
+    with bench.meter() as cpu:
+        subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                        "while time.process_time() - t < 0.3: pass"], check=True)
+    tally = readers.Tally(files=100, bytes=100 * 1000)
+    row = bench.record("boto3", readers.Result("metered row", 0.5, tally), cpu)
+    assert row["cpu_client_ms"] >= 2.5          # >= 0.3 CPU-s over 100 files
+    assert row["cpu_daemon_ms"] == 0.0 and row["cpu_store_ms"] == 0.0
+    assert row["cap_files_s"] > 0 and row["cpu_total_ms"] >= row["cpu_client_ms"] * 0.9
+    assert "CPU ms/file: daemon 0.00 store 0.00 client" in capsys.readouterr().out
+    bench.record("copy", readers.Result("plain row", 1.0, readers.Tally(files=10, bytes=10)))
+    table = bench_packed.render(bench.rows, [], "header").splitlines()
+    metered = next(line for line in table if line.startswith("metered row"))
+    plain = next(line for line in table if line.startswith("plain row"))
+    assert f"0.00 / 0.00 / {row['cpu_client_ms']:.2f}" in metered and f"{row['cap_files_s']:.0f}" in metered
+    assert plain.rstrip().endswith("yes")
