@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachefs.data import PackedDataset, PackedIterableDataset, consumer_share, epoch_order
+from cachefs.data import PackedDataset, PackedIterableDataset, consumer_share, epoch_order, shards
+from cachefs.data import dataset as dataset_module
 from cachefs.demo.local_s3 import s3_client
 from cachefs.metrics import Metrics
 from cachefs.packfmt import CorruptRecord
@@ -189,6 +190,44 @@ def test_dataloader_workers_read_everything(packed):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("by_reference", [True, False])
+def test_dataloader_samples_reach_the_main_process_by_reference(packed, by_reference):
+    """From DataLoader workers a sample travels as its place in a shard, and the main process reads
+    it there: plain bytes, the right ones; with by_reference=False, as pickled bytes."""
+    torch_data = pytest.importorskip("torch.utils.data")
+    root, files = packed
+    before = shards.reference_loads
+    with PackedIterableDataset(root, seed=5, by_reference=by_reference) as ds:
+        got = list(torch_data.DataLoader(ds, batch_size=None, num_workers=2))
+    assert dict(got) == files and all(type(data) is bytes for _, data in got)
+    assert shards.reference_loads - before == (len(got) if by_reference else 0)
+
+
+def test_a_sample_pickled_in_a_worker_is_its_place_and_is_checked_again(packed, tmp_path, monkeypatch):
+    import pickle
+    root, files = packed
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    monkeypatch.setattr(dataset_module, "_in_worker", lambda: True)
+    ds = PackedDataset(copy)
+    row = ds.index.find("c2/img0017.jpg")
+    path, data = ds[row]
+    assert path == "c2/img0017.jpg" and data == files[path] and isinstance(data, bytes)
+    blob = pickle.dumps(data)
+    assert b"load_reference" in blob and bytes(data) not in blob     # where it lives, not its bytes
+    back = pickle.loads(blob)
+    assert type(back) is bytes and back == files[path]
+    assert type(PackedDataset(copy, by_reference=False)[row][1]) is bytes
+    shard = copy / "shards" / ds.index.shards.column("name")[int(ds.files.shard[row])].as_py()
+    torn = bytearray(shard.read_bytes())
+    torn[int(ds.files.offset[row]) + 1] ^= 0x01              # the shard changed after the worker read it
+    shard.write_bytes(bytes(torn))
+    ds.close()                                                # (a fresh descriptor: the new file)
+    with pytest.raises(CorruptRecord, match="crc32c"):
+        pickle.loads(blob)
+
+
+@pytest.mark.timeout(120)
 def test_dataloader_does_not_hang_with_fewer_shards_than_workers(tmp_path):
     torch_data = pytest.importorskip("torch.utils.data")
     files = make_packed(tmp_path, 3, shard_size=1 << 20)
@@ -214,6 +253,11 @@ def test_the_loader_reads_a_packed_dataset_through_a_cachefs_mount(s3_server, bu
     with PackedIterableDataset(mnt.path, seed=4) as ds:
         got = paths_of(ds)
     assert got == paths_of(PackedIterableDataset(tmp_path / "packed", seed=4))
+    torch_data = pytest.importorskip("torch.utils.data")
+    before = shards.reference_loads
+    with PackedIterableDataset(mnt.path, seed=4) as ds:      # samples by reference: the main reads the mount
+        assert dict(torch_data.DataLoader(ds, batch_size=None, num_workers=2)) == files
+    assert shards.reference_loads - before >= len(files)
     mnt.umount()      # the datasets closed their files: the mount is not busy
 
 

@@ -4,7 +4,9 @@
 ``PackedIterableDataset`` reads whole shards sequentially in an order from (seed, epoch) that does
 not depend on the number of ranks or workers, splits it among ranks and DataLoader workers with
 padding (equal counts, no hang), and resumes with ``state_dict`` / ``load_state_dict``. Both
-subclass torch's Dataset / IterableDataset when torch is installed, and work without it.
+subclass torch's Dataset / IterableDataset when torch is installed, and work without it. A raw
+sample a DataLoader worker yields reaches the training process by reference (``by_reference``,
+``shards.SampleBytes``): read again there, checked again, never pickled through the pipe.
 """
 
 import importlib.util
@@ -16,7 +18,7 @@ from cachefs.packfmt import PackedIndex
 from cachefs.packfmt.store_index import local_root, open_local_index
 
 from .order import consumer_share, epoch_order
-from .shards import ShardFiles
+from .shards import ShardFiles, register_reader
 
 
 def _torch_bases() -> tuple[type, type]:
@@ -31,11 +33,14 @@ Sample = tuple[str, bytes]
 
 
 class _Packed:
-    def __init__(self, root: str | Path, transform: Callable[[str, bytes], object] | None = None) -> None:
+    def __init__(self, root: str | Path, transform: Callable[[str, bytes], object] | None = None,
+                 by_reference: bool = True) -> None:
         self.root = local_root(root)       # a mount of a packed dataset: its .cachefs-packed
         self.manifest, self.index = open_local_index(self.root)
         self.files = ShardFiles(self.root, self.index)
+        register_reader(self.files)
         self.transform = transform
+        self.by_reference = by_reference
 
     def close(self) -> None:
         """Close the shard files this process opened (reopened on the next read)."""
@@ -49,7 +54,11 @@ class _Packed:
 
     def _sample(self, row: int, data: bytes):
         path = self.index.path(row)
-        return self.transform(path, data) if self.transform else (path, data)
+        if self.transform:
+            return self.transform(path, data)
+        if self.by_reference and _in_worker():        # to the main process by reference (shards.py)
+            data = self.files.reference(row, data)
+        return path, data
 
 
 class PackedDataset(_Packed, _MapBase):
@@ -77,8 +86,8 @@ class PackedIterableDataset(_Packed, _IterableBase):
 
     def __init__(self, root: str | Path, *, seed: int = 0, shuffle: bool = True, rank: int | None = None,
                  world_size: int | None = None, transform: Callable[[str, bytes], object] | None = None,
-                 lookahead: int = 2) -> None:
-        super().__init__(root, transform)
+                 lookahead: int = 2, by_reference: bool = True) -> None:
+        super().__init__(root, transform, by_reference)
         self.lookahead = max(0, lookahead)   # shards fetched ahead of the one being read
         self.seed, self.epoch, self.shuffle = seed, 0, shuffle
         self.rank, self.world_size = _distributed(rank, world_size)
@@ -160,6 +169,11 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     return rank, world_size
+
+
+def _in_worker() -> bool:
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
 
 
 def _worker() -> tuple[int, int]:

@@ -10,7 +10,8 @@ Only blocks the disk tier holds when a process first reads a shard are handed ov
 any other block is read through the mount as before (which fetches it). The caller checks every
 record's crc32c; a mismatch drops the shard's descriptors and the sample is read through the
 mount, which verifies and refetches. Descriptors belong to one process (DataLoader workers fork),
-and at most ``KEEP`` shards' worth are held. The socket is found once, when the dataset is built;
+and at most ``keep`` shards' worth are held (``KEEP``; more in a process reading samples by
+reference, which may see the shards of several workers at once). The socket is found once, when the dataset is built;
 anything unexpected there (no daemon, an older one, a socket we may not open) turns the channel
 off for that dataset, silently: the mount still works.
 """
@@ -70,9 +71,11 @@ class DirectShards:
         # (or unpickle) the answer instead of each asking the daemon for its status as it starts.
         self._socket = _find_socket(mount_root)     # None: the channel is off
         self._shards: OrderedDict[int, _Blocks | None] = OrderedDict()
+        self.keep = KEEP
 
     def __getstate__(self) -> dict:
-        return {"mount_root": self.mount_root, "_pid": -1, "_socket": self._socket, "_shards": OrderedDict()}
+        return {"mount_root": self.mount_root, "_pid": -1, "_socket": self._socket, "_shards": OrderedDict(),
+                "keep": self.keep}
 
     def _own(self) -> None:
         if self._pid != os.getpid():        # a forked worker: the parent's descriptors stay the parent's
@@ -113,7 +116,7 @@ class DirectShards:
                 blocks = self._open(self._socket, shard, name, size)
             except (OSError, ValueError, KeyError, TypeError):
                 blocks = None
-        while len(self._shards) >= KEEP:
+        while len(self._shards) >= self.keep:
             old = self._shards.popitem(last=False)[1]
             if old is not None:
                 old.close()

@@ -1,10 +1,17 @@
 """Reading files out of a local packed dataset (a directory or a cachefs mount of one): ``pread``
 of a file's data range, or a whole shard mapped and read ahead; every file's crc32c is checked.
-Open files and mappings belong to one process (DataLoader workers fork) and are never pickled."""
+Open files and mappings belong to one process (DataLoader workers fork) and are never pickled.
+
+A sample a DataLoader worker hands to the main process travels by reference (``SampleBytes``): the
+worker has read and checked it, so its pages sit in this machine's page cache (of the daemon's
+cache file, of the mount's shard file or of the local shard file), and the main process reads the
+same range again there and checks it again, where pickling the bytes would copy them four times
+through a pipe. Unpickled, it is plain ``bytes``."""
 
 import mmap
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,21 +27,23 @@ class ShardFiles:
     #: open shard files kept per process (least recently used closed first)
     max_open = 64
 
-    def __init__(self, root: Path, index: PackedIndex) -> None:
+    def __init__(self, root: Path, index: PackedIndex | None) -> None:
+        """``index`` None: only ``read_at`` works (the main process reading samples by reference)."""
         self.root = root
-        self.names = index.shards.column("name").to_pylist()
-        columns = index.files
-        self.shard = columns.column("shard").to_numpy()
-        self.offset = columns.column("data_offset").to_numpy()
-        self.length = columns.column("data_length").to_numpy()
-        self.crc = columns.column("crc32c").to_numpy()
-        self._fds: OrderedDict[int, int] = OrderedDict()
+        self.names = index.shards.column("name").to_pylist() if index is not None else []
+        self.sizes = index.shards.column("bytes").to_pylist() if index is not None else []
+        if index is not None:
+            columns = index.files
+            self.shard = columns.column("shard").to_numpy()
+            self.offset = columns.column("data_offset").to_numpy()
+            self.length = columns.column("data_length").to_numpy()
+            self.crc = columns.column("crc32c").to_numpy()
+        self._fds: OrderedDict[str, int] = OrderedDict()    # by shard name
         self._pid = os.getpid()
         self._mapped: tuple[int, mmap.mmap] | None = None
         # (pid, its helper thread, the event close sets: a whole-shard read stops between reads)
         self._toucher: tuple[int, ThreadPoolExecutor, threading.Event] | None = None
         self.in_mount = root.name == PACKED_DIR
-        self.sizes = index.shards.column("bytes").to_pylist()
         # in a mount served by a daemon on this machine: its cache files, read directly (direct.py)
         self.direct = DirectShards(root.parent) if self.in_mount else None
         # A failed read of a mapped page is SIGBUS: the training process would die where a read
@@ -46,31 +55,44 @@ class ShardFiles:
         state.update(_fds=OrderedDict(), _mapped=None, _toucher=None)
         return state
 
-    def _fd(self, shard: int) -> int:
+    def _fd(self, name: str) -> int:
         if self._pid != os.getpid():          # a forked worker: the parent's descriptors are not ours to use
             self._fds, self._mapped, self._pid = OrderedDict(), None, os.getpid()
-        fd = self._fds.get(shard)
+        fd = self._fds.get(name)
         if fd is not None:
-            self._fds.move_to_end(shard)
+            self._fds.move_to_end(name)
             return fd
         while len(self._fds) >= self.max_open:
             os.close(self._fds.popitem(last=False)[1])
-        fd = self._fds[shard] = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
+        fd = self._fds[name] = os.open(self.root / "shards" / name, os.O_RDONLY)
         return fd
 
     def read(self, row: int) -> bytes:
         """The bytes of file ``row``: one pread, crc-checked (in a mount, from the daemon's cache
         file when it handed that over; a crc mismatch there is read again through the mount)."""
-        shard, offset, length = int(self.shard[row]), int(self.offset[row]), int(self.length[row])
+        shard = int(self.shard[row])
+        return self.read_at(shard, self.names[shard], self.sizes[shard], int(self.offset[row]),
+                            int(self.length[row]), int(self.crc[row]), f"file row {row}")
+
+    def read_at(self, shard: int, name: str, size: int, offset: int, length: int, crc: int, what: str) -> bytes:
+        """Bytes [offset, offset+length) of shard ``shard`` (file ``name``, ``size`` bytes), checked
+        against ``crc``; ``what`` names the file in the error."""
         if self.direct is not None:
-            data = self.direct.read(shard, self.names[shard], self.sizes[shard], offset, length)
+            data = self.direct.read(shard, name, size, offset, length)
             if data is not None:
                 try:
-                    return self._checked(row, data)
+                    return _verified(data, length, crc, name, what)
                 except CorruptRecord:
                     self.direct.drop(shard)
-        data = os.pread(self._fd(shard), length, offset)
-        return self._checked(row, data)
+        return _verified(os.pread(self._fd(name), length, offset), length, crc, name, what)
+
+    def reference(self, row: int, data: bytes) -> "SampleBytes":
+        """``data``, the checked bytes of file ``row``, as a sample that pickles as its place."""
+        shard = int(self.shard[row])
+        sample = SampleBytes(data)
+        sample.ref = (str(self.root), shard, self.names[shard], self.sizes[shard], int(self.offset[row]),
+                      len(data), int(self.crc[row]), row)
+        return sample
 
     def touch(self, shard: int, *, whole: bool = False) -> None:
         """Start fetching shard ``shard`` without waiting, in a helper thread. In a local directory
@@ -119,7 +141,7 @@ class ShardFiles:
         if self._mapped is not None and self._mapped[0] == shard and self._pid == os.getpid():
             return self._mapped[1]
         self.release()
-        fd = self._fd(shard)
+        fd = self._fd(self.names[shard])
         try:
             mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         except (OSError, ValueError):     # e.g. a FUSE file opened with direct_io
@@ -135,10 +157,8 @@ class ShardFiles:
             self._mapped = None
 
     def _checked(self, row: int, data: bytes) -> bytes:
-        if len(data) != int(self.length[row]) or crc32c(data) != int(self.crc[row]):
-            name = self.names[int(self.shard[row])]
-            raise CorruptRecord(f"shard {name}: file row {row} fails its crc32c (corrupt or truncated shard)")
-        return data
+        return _verified(data, int(self.length[row]), int(self.crc[row]), self.names[int(self.shard[row])],
+                         f"file row {row}")
 
     def close(self, *, wait: bool = True) -> None:
         """Close this process's mapping and files (a mount can then be unmounted): a helper read
@@ -160,3 +180,56 @@ class ShardFiles:
             self.close(wait=False)     # may run in the helper thread itself: it cannot join itself
         except (OSError, AttributeError, TypeError):
             pass   # interpreter shutdown or a half-built object: nothing left to close
+
+
+def _verified(data: bytes, length: int, crc: int, name: str, what: str) -> bytes:
+    if len(data) != length or crc32c(data) != crc:
+        raise CorruptRecord(f"shard {name}: {what} fails its crc32c (corrupt or truncated shard)")
+    return data
+
+
+class SampleBytes(bytes):
+    """A sample's bytes in a DataLoader worker: ``bytes`` in every way, except that pickling it (the
+    worker's result queue) sends where it lives, ``ref``, and ``load_reference`` reads it back in
+    the receiving process: plain ``bytes`` again, crc-checked again."""
+
+    ref: tuple
+
+    def __reduce_ex__(self, protocol):
+        return load_reference, self.ref
+
+
+# The readers ``load_reference`` uses, by root: the ShardFiles of a dataset built in this process (so
+# the dataset's close() also closes what reading by reference opened: a mount can then be
+# unmounted), else one of its own, kept for the life of the process.
+_REF_READERS: weakref.WeakValueDictionary[str, ShardFiles] = weakref.WeakValueDictionary()
+_OWN_READERS: dict[str, ShardFiles] = {}
+_REF_LOCK = threading.Lock()
+REFERENCE_KEEP = 4        # shards of cache files held by a process reading by reference
+#: samples this process read back by reference (tests and benchmarks look at it)
+reference_loads = 0
+
+
+def register_reader(files: ShardFiles) -> None:
+    """``files`` serves the samples of its root that arrive by reference in this process (the first
+    dataset of a root that is still alive does)."""
+    if _REF_READERS.get(str(files.root)) is None:
+        _REF_READERS[str(files.root)] = files
+
+
+def load_reference(root: str, shard: int, name: str, size: int, offset: int, length: int, crc: int,
+                   row: int) -> bytes:
+    """A ``SampleBytes`` unpickled: its range read again here, from the same place the worker read
+    it (the daemon's cache file, else the mount, else the local shard), and checked."""
+    global reference_loads
+    with _REF_LOCK:       # DataLoader may unpickle in its pin-memory thread
+        files = _REF_READERS.get(root)
+        if files is None:
+            files = _OWN_READERS.get(root)
+            if files is None:
+                files = _OWN_READERS[root] = ShardFiles(Path(root), None)
+        if files.direct is not None:
+            files.direct.keep = max(files.direct.keep, REFERENCE_KEEP)
+        data = files.read_at(shard, name, size, offset, length, crc, f"file row {row}")
+        reference_loads += 1
+    return data
