@@ -11,9 +11,9 @@ any other block is read through the mount as before (which fetches it). The call
 record's crc32c; a mismatch drops the shard's descriptors and the sample is read through the
 mount, which verifies and refetches. Descriptors belong to one process (DataLoader workers fork),
 and at most ``keep`` shards' worth are held (``KEEP``; more in a process reading samples by
-reference, which may see the shards of several workers at once). The socket is found once, when the dataset is built;
-anything unexpected there (no daemon, an older one, a socket we may not open) turns the channel
-off for that dataset, silently: the mount still works.
+reference, which may see the shards of several workers at once). The socket is found once, when
+the dataset is built; anything unexpected there (no daemon, an older one, a socket we may not
+open) turns the channel off for that dataset, silently: the mount still works.
 """
 
 import json
