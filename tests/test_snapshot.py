@@ -72,3 +72,11 @@ def test_with_no_room_for_a_new_file_the_snapshot_lives_in_memory(tmp_path, monk
     snapshot.save("logs/", listing, listed_at=200.0)
     assert names(snapshot, "logs/") == ["logs/L4.log"]
     snapshot.sync()
+
+
+def test_listed_at_says_when_a_listing_was_saved_without_reading_it(tmp_path):
+    snapshot = saved_logs(tmp_path)
+    assert snapshot.listed_at("logs/") == 100.0
+    assert snapshot.listed_at("") is None and snapshot.listed_at("other/") is None
+    snapshot._db.close()                              # a broken database: no timestamp, no traceback
+    assert snapshot.listed_at("logs/") is None

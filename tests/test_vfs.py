@@ -153,6 +153,33 @@ def test_a_snapshot_serves_listings_to_a_second_vfs_until_the_ttl(bucket_mem, tm
     trio.run(main)
 
 
+def test_listing_ahead_is_skipped_on_a_remount_within_the_ttl(bucket_mem, tmp_path, clock):
+    """A remount whose root listing was saved within the TTL lists nothing ahead; past the TTL it does."""
+    from cachefs.namespace.listahead import ListAhead
+    store = bucket_mem.store()
+    trees = []
+
+    def list_tree(prefix, limit):
+        trees.append(prefix)
+        yield "", store.inner.list_dir("")
+    store.list_tree = list_tree
+
+    async def main():
+        first = make_vfs(store, snapshot_dir=tmp_path)
+        await listdir(first, ROOT_INODE)              # the root listing is saved
+        first.close()
+        second = make_vfs(store, snapshot_dir=tmp_path)
+        lister = ListAhead(second, store, 1000)
+        await lister.run()
+        assert lister.status()["state"] == "skipped" and trees == []
+        clock.advance(TTL + 1)
+        lister = ListAhead(second, store, 1000)
+        await lister.run()
+        assert lister.status()["state"] == "done" and len(trees) == 1
+        second.close()
+    trio.run(main)
+
+
 def test_a_store_failure_during_relist_serves_the_stale_listing(bucket_mem, clock):
     store = bucket_mem.store()
     vfs = make_vfs(store)

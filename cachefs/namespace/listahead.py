@@ -41,8 +41,8 @@ class ListAhead:
     async def run(self) -> None:
         """List the whole mount in the background; returns when done, failed or cancelled."""
         vfs = self.vfs
-        saved = vfs.snapshot.load("") if vfs.snapshot is not None else None
-        if saved is not None and vfs.is_fresh(saved[0]):
+        saved_at = vfs.snapshot.listed_at("") if vfs.snapshot is not None else None
+        if saved_at is not None and vfs.is_fresh(saved_at):
             self.state = "skipped"           # a remount within the TTL: the listings were saved
             return
         self.state, started, stop = "running", time.time(), threading.Event()

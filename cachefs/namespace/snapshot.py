@@ -51,6 +51,15 @@ class ListingSnapshot:
             db.executescript(_SCHEMA)
             return db
 
+    def listed_at(self, dir_path: str) -> float | None:
+        """When the stored listing of ``dir_path`` was made (None: none stored), without reading it."""
+        try:
+            row = self._db.execute("SELECT listed_at FROM dirs WHERE path = ?", (dir_path,)).fetchone()
+        except sqlite3.DatabaseError as exc:
+            log.info("listing snapshot read failed for %r: %s", dir_path, exc)
+            return None
+        return row[0] if row is not None else None
+
     def load(self, dir_path: str) -> tuple[float, Listing] | None:
         """The stored listing of ``dir_path`` ("" or ending in "/") and when it was made."""
         try:
