@@ -56,7 +56,6 @@ class Daemon:
         self.metrics = metrics
         self.started = time.time()
         self.exporter: Exporter | None = None
-        self.cache_fds: CacheFds | None = None      # packed mounts: local loaders read the cache files
         self.disk = DiskTier(os.path.join(cfg.cache_dir, "blocks"), capacity=cfg.cache_size,
                              free_space_ratio=cfg.free_space_ratio, metrics=metrics,
                              fsync=cfg.fsync_cache_files, fill_workers=cfg.fill_workers,
@@ -92,6 +91,8 @@ class Daemon:
         self.control = Control(self.vfs.new_fh, commands, owner_uid=uid)
         self.lister = (ListAhead(self.vfs, store, cfg.list_ahead)          # folders listed at mount
                        if cfg.list_ahead and self.packed is None else None)
+        # packed mounts: local loaders read the cache files (cachefs.data)
+        self.cache_fds = CacheFds(cfg.cache_dir, self.packed, self.tiers) if self.packed is not None else None
         self.ops = Operations(self.vfs, self.control, metrics, uid=uid, gid=gid, file_mode=cfg.file_mode,
                               dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
 
@@ -115,7 +116,7 @@ class Daemon:
                 "packed_crc_errors": int(m.counter_value("cachefs_packed_crc_errors_total")),
                 "listing": self.lister.status() if self.lister else None,
                 "loader_fds": ({"socket": str(self.cache_fds.path), "served": self.cache_fds.served}
-                               if self.cache_fds else None),
+                               if self.cache_fds is not None and self.cache_fds.listening else None),
                 "writeback": self.writeback.status() if self.writeback else None,
                 "warmup": self.warmer.status()}
 
@@ -207,8 +208,7 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                 nursery.start_soon(_tune_then_ready, cfg, on_ready)
                 if daemon.lister is not None:
                     nursery.start_soon(daemon.lister.run)
-                if daemon.packed is not None and daemon.tiers.disk is not None:
-                    daemon.cache_fds = CacheFds(cfg.cache_dir, daemon.packed, daemon.tiers)
+                if daemon.cache_fds is not None:
                     await nursery.start(daemon.cache_fds.run)
                 await pyfuse3.main(min_tasks=32, max_tasks=256)
             unmount = stop.signalled     # otherwise the kernel side already unmounted

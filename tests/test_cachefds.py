@@ -84,13 +84,28 @@ def serve(tmp_path, check):
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    assert not channel.path.exists()          # removed when the daemon stops
+    assert not channel.path.exists() and not channel.listening     # removed when the daemon stops
     return channel
+
+
+def test_a_socket_that_cannot_be_made_turns_the_channel_off(tmp_path):
+    """The cache dir refuses the socket (its path is a directory here): the channel logs, serves
+    nothing and says it is not listening (status then shows no channel); the daemon goes on."""
+    (tmp_path / "loader.sock").mkdir()
+    (tmp_path / "loader.sock" / "keep").write_text("x")
+    channel = CacheFds(tmp_path, Packed(), Tiers(tmp_path))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(channel.run)
+            assert not channel.listening
+    trio.run(main)
+    assert (tmp_path / "loader.sock" / "keep").read_text() == "x"
 
 
 def test_the_cached_blocks_come_with_their_descriptors(tmp_path):
     def check(channel):
-        assert oct(os.stat(channel.path).st_mode & 0o777) == oct(0o600)
+        assert channel.listening and oct(os.stat(channel.path).st_mode & 0o777) == oct(0o600)
         reply, fds = ask(channel.path, {"shard": 0, "name": "00000.tfrecord", "first": 0, "count": 10})
         try:
             assert reply == {"ok": True, "block_size": BS, "blocks": [[0, BS], [2, BS - 5]]}

@@ -47,6 +47,7 @@ class CacheFds:
         self.served = 0               # block descriptors handed out
         self.refused = 0              # connections from other users
         self.allowed_uids = {0, os.getuid()}
+        self.listening = False        # the socket is bound (status shows the channel only then)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; when the socket cannot be made, log why and serve nothing."""
@@ -62,6 +63,7 @@ class CacheFds:
             log.info("cache-file channel for local loaders off: %s: %s", self.path, exc)
             task_status.started()
             return
+        self.listening = True
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
@@ -69,6 +71,7 @@ class CacheFds:
                     conn, _ = await sock.accept()
                     nursery.start_soon(self._serve, conn)
         finally:
+            self.listening = False
             sock.close()
             with suppress(OSError):
                 os.unlink(self.path)
