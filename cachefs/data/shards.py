@@ -30,9 +30,11 @@ class ShardFiles:
     def __init__(self, root: Path, index: PackedIndex | None) -> None:
         """``index`` None: only ``read_at`` works (the main process reading samples by reference)."""
         self.root = root
-        self.names = index.shards.column("name").to_pylist() if index is not None else []
-        self.sizes = index.shards.column("bytes").to_pylist() if index is not None else []
+        self.names: list[str] = []
+        self.sizes: list[int] = []
         if index is not None:
+            self.names = index.shards.column("name").to_pylist()
+            self.sizes = index.shards.column("bytes").to_pylist()
             columns = index.files
             self.shard = columns.column("shard").to_numpy()
             self.offset = columns.column("data_offset").to_numpy()
@@ -72,19 +74,19 @@ class ShardFiles:
         file when it handed that over; a crc mismatch there is read again through the mount)."""
         shard = int(self.shard[row])
         return self.read_at(shard, self.names[shard], self.sizes[shard], int(self.offset[row]),
-                            int(self.length[row]), int(self.crc[row]), f"file row {row}")
+                            int(self.length[row]), int(self.crc[row]), row)
 
-    def read_at(self, shard: int, name: str, size: int, offset: int, length: int, crc: int, what: str) -> bytes:
+    def read_at(self, shard: int, name: str, size: int, offset: int, length: int, crc: int, row: int) -> bytes:
         """Bytes [offset, offset+length) of shard ``shard`` (file ``name``, ``size`` bytes), checked
-        against ``crc``; ``what`` names the file in the error."""
+        against ``crc``; ``row`` (the file's index row) names it in the error."""
         if self.direct is not None:
             data = self.direct.read(shard, name, size, offset, length)
             if data is not None:
                 try:
-                    return _verified(data, length, crc, name, what)
+                    return _verified(data, length, crc, name, row)
                 except CorruptRecord:
                     self.direct.drop(shard)
-        return _verified(os.pread(self._fd(name), length, offset), length, crc, name, what)
+        return _verified(os.pread(self._fd(name), length, offset), length, crc, name, row)
 
     def reference(self, row: int, data: bytes) -> "SampleBytes":
         """``data``, the checked bytes of file ``row``, as a sample that pickles as its place."""
@@ -157,8 +159,7 @@ class ShardFiles:
             self._mapped = None
 
     def _checked(self, row: int, data: bytes) -> bytes:
-        return _verified(data, int(self.length[row]), int(self.crc[row]), self.names[int(self.shard[row])],
-                         f"file row {row}")
+        return _verified(data, int(self.length[row]), int(self.crc[row]), self.names[int(self.shard[row])], row)
 
     def close(self, *, wait: bool = True) -> None:
         """Close this process's mapping and files (a mount can then be unmounted): a helper read
@@ -182,9 +183,9 @@ class ShardFiles:
             pass   # interpreter shutdown or a half-built object: nothing left to close
 
 
-def _verified(data: bytes, length: int, crc: int, name: str, what: str) -> bytes:
+def _verified(data: bytes, length: int, crc: int, name: str, row: int) -> bytes:
     if len(data) != length or crc32c(data) != crc:
-        raise CorruptRecord(f"shard {name}: {what} fails its crc32c (corrupt or truncated shard)")
+        raise CorruptRecord(f"shard {name}: file row {row} fails its crc32c (corrupt or truncated shard)")
     return data
 
 
@@ -230,6 +231,6 @@ def load_reference(root: str, shard: int, name: str, size: int, offset: int, len
                 files = _OWN_READERS[root] = ShardFiles(Path(root), None)
         if files.direct is not None:
             files.direct.keep = max(files.direct.keep, REFERENCE_KEEP)
-        data = files.read_at(shard, name, size, offset, length, crc, f"file row {row}")
+        data = files.read_at(shard, name, size, offset, length, crc, row)
         reference_loads += 1
     return data

@@ -62,10 +62,10 @@ class ListingSnapshot:
 
     def load(self, dir_path: str) -> tuple[float, Listing] | None:
         """The stored listing of ``dir_path`` ("" or ending in "/") and when it was made."""
+        listed_at = self.listed_at(dir_path)
+        if listed_at is None:
+            return None
         try:
-            row = self._db.execute("SELECT listed_at FROM dirs WHERE path = ?", (dir_path,)).fetchone()
-            if row is None:
-                return None
             listing = Listing()
             rows = self._db.execute(
                 "SELECT name, is_dir, size, mtime, etag FROM entries WHERE dir = ?", (dir_path,))
@@ -74,7 +74,7 @@ class ListingSnapshot:
                     listing.dirs.append(name)
                 else:
                     listing.files.append(ObjectInfo(dir_path + name, size, mtime, etag))
-            return row[0], listing
+            return listed_at, listing
         except sqlite3.DatabaseError as exc:
             log.info("listing snapshot read failed for %r: %s", dir_path, exc)
             return None
