@@ -43,6 +43,29 @@ class SingleFlight:
             if isinstance(call.error, Exception):
                 raise call.error
 
+    def start_soon(self, nursery: trio.Nursery, key: Hashable, fn: Callable[[], Awaitable[Any]]) -> bool:
+        """Start ``fn`` for ``key`` as a task of ``nursery``, unless a call for ``key`` is in flight
+        (False). The call is in flight from this moment, before the task first runs: a ``do``
+        for ``key`` made meanwhile joins it instead of starting a second call. Its error goes to
+        those joiners only (``fn`` reports its own)."""
+        if key in self._calls:
+            return False
+        call = self._calls[key] = _Call()
+        nursery.start_soon(self._run, key, call, fn)
+        return True
+
+    async def _run(self, key: Hashable, call: _Call, fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            call.value = await fn()
+        except Exception as exc:
+            call.error = exc
+        except BaseException as exc:      # cancelled: a joiner leads a new call
+            call.error = exc
+            raise
+        finally:
+            del self._calls[key]
+            call.done.set()
+
     async def _lead(self, key: Hashable, fn: Callable[[], Awaitable[Any]]) -> Any:
         call = self._calls[key] = _Call()
         try:

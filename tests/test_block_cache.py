@@ -244,6 +244,106 @@ def test_a_failing_leader_fails_every_follower_and_a_later_read_retries(bucket_m
     trio.run(main)
 
 
+def test_a_lookup_readahead_is_in_flight_at_once_and_the_open_joins_it(bucket_mem):
+    """The open right after a lookup joins the lookup's GET even when the readahead's task has
+    not run yet: the flight exists when ``readahead_file`` returns (before, an open whose own GET
+    ended first left the readahead to fetch the file a second time)."""
+    data = blob(4, BS // 2)
+    bucket_mem.put("f", data)
+    store = bucket_mem.store()
+    f = bucket_mem.version(store, "f")
+    metrics = Metrics()
+    cache = Tiers(store, MemoryTier(16 << 20, metrics), None, metrics, block_size=BS, readahead_size=8 * BS,
+                  max_fetches=8, max_readaheads=4, readahead_at_lookup=True)
+
+    async def scenario():
+        async with serving(cache):
+            gate = store.hold("get")
+            try:
+                cache.readahead_file(f)
+                assert cache._flights.in_flight(cache.key(f, 0))      # no checkpoint in between
+                cache.readahead_file(f)                                # a second lookup: nothing new
+                results = []
+
+                async def opener():
+                    results.append(await cache.preload(f))
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(opener)
+                    await gate.wait_reached()
+                    await trio.testing.wait_all_tasks_blocked()
+                    gate.open()
+            finally:
+                gate.open()
+            assert results == [data]
+            assert not cache._flights.in_flight(cache.key(f, 0))
+    trio.run(scenario)
+    assert store.calls["get"] == 1
+    assert count(metrics, "lookup_readaheads") == 1
+    assert count(metrics, "singleflight_joins") == 1
+
+
+def test_a_failed_lookup_readahead_fails_its_joiners_once_and_the_read_retries(bucket_mem):
+    data = blob(5, BS // 2)
+    bucket_mem.put("f", data)
+    store = bucket_mem.store()
+    f = bucket_mem.version(store, "f")
+    metrics = Metrics()
+    cache = Tiers(store, MemoryTier(16 << 20, metrics), None, metrics, block_size=BS, readahead_size=8 * BS,
+                  max_fetches=8, max_readaheads=4, readahead_at_lookup=True)
+
+    async def scenario():
+        async with serving(cache):
+            store.failures["get"] = Unreachable("store down")
+            cache.readahead_file(f)
+            assert await cache.preload(f) is None          # joined the failed GET: the read will retry
+            assert store.calls["get"] == 1
+            assert not cache._flights.in_flight(cache.key(f, 0))
+            store.failures.clear()
+            assert await cache.read(f, 0, f.size) == data
+            assert store.calls["get"] == 2
+    trio.run(scenario)
+
+
+def test_a_started_call_cancelled_before_it_ends_hands_the_lead_to_a_joiner():
+    from cachefs.singleflight import SingleFlight
+    flights = SingleFlight()
+    calls = []
+
+    async def slow():
+        calls.append("slow")
+        await trio.sleep_forever()
+
+    async def fast():
+        calls.append("fast")
+        return b"x"
+
+    async def scenario():
+        async with trio.open_nursery() as outer:
+            inner_scope = trio.CancelScope()
+
+            async def host(task_status=trio.TASK_STATUS_IGNORED):
+                with inner_scope:
+                    async with trio.open_nursery() as nursery:
+                        assert flights.start_soon(nursery, "k", slow)
+                        assert not flights.start_soon(nursery, "k", fast)   # in flight: not started twice
+                        task_status.started()
+                        await trio.sleep_forever()
+            await outer.start(host)
+            results = []
+
+            async def joiner():
+                results.append(await flights.do("k", fast))
+            outer.start_soon(joiner)
+            await trio.testing.wait_all_tasks_blocked()
+            assert results == [] and flights.joins == 1
+            inner_scope.cancel()          # the started call is cancelled: the joiner leads anew
+            await trio.testing.wait_all_tasks_blocked()
+            assert results == [b"x"]
+    trio.run(scenario)
+    assert calls == ["slow", "fast"]
+    assert not flights.in_flight("k")
+
+
 # --- the tiers ----------------------------------------------------------------------------------
 
 def test_read_spanning_three_blocks_then_memory_then_disk_tier(bucket_mem, tmp_path):
