@@ -304,6 +304,29 @@ def test_a_failed_lookup_readahead_fails_its_joiners_once_and_the_read_retries(b
     trio.run(scenario)
 
 
+@pytest.mark.allow_warnings
+def test_an_unexpected_error_in_a_lookup_readahead_is_logged_and_stops_nothing(bucket_mem, caplog):
+    data = blob(6, BS // 2)
+    bucket_mem.put("f", data)
+    store = bucket_mem.store()
+    f = bucket_mem.version(store, "f")
+    metrics = Metrics()
+    cache = Tiers(store, MemoryTier(16 << 20, metrics), None, metrics, block_size=BS, readahead_size=8 * BS,
+                  max_fetches=8, max_readaheads=4, readahead_at_lookup=True)
+
+    async def scenario():
+        async with serving(cache):
+            store.failures["get"] = ValueError("a bug")
+            cache.readahead_file(f)
+            await until(lambda: not cache._flights.in_flight(cache.key(f, 0)))   # failed, no one joined
+            assert store.calls["get"] == 1
+            store.failures.clear()
+            assert await cache.read(f, 0, f.size) == data     # the tiers' tasks still serve
+    with caplog.at_level("ERROR", logger="cachefs"):
+        trio.run(scenario)
+    assert any("fetching f at its lookup failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
 def test_a_started_call_cancelled_before_it_ends_hands_the_lead_to_a_joiner():
     from cachefs.singleflight import SingleFlight
     flights = SingleFlight()

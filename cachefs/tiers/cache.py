@@ -267,6 +267,9 @@ class Tiers:
         except StoreError as exc:
             log.info("fetching %s at its lookup failed (its open will retry): %s", f.path, exc)
             raise
+        except Exception:          # a joining open gets it too; logged here in case none joins
+            log.exception("fetching %s at its lookup failed", f.path)
+            raise
 
     async def _readahead_block(self, f: FileVersion, key: BlockKey) -> None:
         try:
