@@ -61,3 +61,44 @@ def test_failed_record_removal_fences_the_staging_area_and_keeps_the_record(buck
     # the records stay: the next start uploads a.log again and deletes old.txt again (idempotent)
     assert sorted((r.kind, r.path) for r in Journal(str(tmp_path)).replay()) == [
         ("delete", "old.txt"), ("file", "a.log")]
+
+
+def test_an_unlink_that_cannot_remove_its_record_fails_and_changes_nothing(bucket, tmp_path):
+    """A file never uploaded is unlinked by removing its record. If the cache dir turned
+    read-only just then, the unlink must fail (EROFS) and leave the file: acknowledging it would
+    lose it at the next start, whose replay of the record brings the file back (found by the crash
+    campaign's read-only variant: 'ckpt/c1.pt: holds ..., acknowledged None')."""
+    store = counted(bucket)
+    vfs, wb = make_stack(store, str(tmp_path))
+
+    async def main():
+        async with running(vfs, wb):
+            fs = Driver(vfs)
+            assert await fs.call("write_at", "c.pt", os.O_CREAT, 0, b"staged, never uploaded") == 22
+            read_only(wb.journal)
+            assert await oserror(fs.call("unlink", "c.pt")) == errno.EROFS
+            assert await fs.call("listdir", "") == ["c.pt", "old.txt"]
+            assert await fs.call("read_all", "c.pt") == b"staged, never uploaded"
+            assert wb.status()["fenced"]
+    trio.run(main)
+    assert not bucket.fs.exists(f"{bucket.url}/c.pt")
+    # what this run still shows is what the next start shows: the record is there
+    assert [(r.kind, r.path) for r in Journal(str(tmp_path)).replay()] == [("file", "c.pt")]
+
+
+def test_an_unlink_of_a_file_never_uploaded_removes_its_record_before_it_returns(bucket, tmp_path):
+    store = counted(bucket)
+    vfs, wb = make_stack(store, str(tmp_path))
+
+    async def main():
+        async with running(vfs, wb):
+            fs = Driver(vfs)
+            await fs.call("write_at", "c.pt", os.O_CREAT, 0, b"staged, never uploaded")
+            await fs.call("unlink", "c.pt")
+            assert Journal(str(tmp_path)).replay() == []          # a crash now loses nothing acknowledged
+            assert await fs.call("listdir", "") == ["old.txt"]
+            wb.request_sync()
+            assert await wb.wait_synced(None, 5)
+            assert not wb.status()["fenced"]
+    trio.run(main)
+    assert not bucket.fs.exists(f"{bucket.url}/c.pt")

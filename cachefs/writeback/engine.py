@@ -503,7 +503,25 @@ class Writeback:
         self._guard.check()
         if entry.remote or entry.uploading is not None:
             await self.delete(entry.path)
+        else:
+            await self._drop_record(entry)
         await self._discard(entry)
+
+    async def _drop_record(self, entry: StagedFile) -> None:
+        """Remove the record of a file never uploaded: that removal is what makes its unlink
+        durable. If it fails (the cache dir turned read-only) the unlink fails with EROFS and
+        nothing changes; acknowledging it anyway would bring the file back at the next start
+        (found by the crash campaign's read-only variant). No upload of the file starts meanwhile
+        (its path is busy), so none can put it in the store behind the unlink's back."""
+        hold = entry.path not in self._busy
+        if hold:
+            self._busy.add(entry.path)
+        try:
+            async with entry.record_lock:
+                await self._guard.drop_record(entry.id)
+        finally:
+            if hold:
+                self._busy.discard(entry.path)
 
     async def _discard(self, entry: StagedFile) -> None:
         if self._files.get(entry.path) is entry:

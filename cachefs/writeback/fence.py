@@ -3,8 +3,8 @@ place (bug 2 in docs/reliability.md): a record write or removal that fails (the 
 turned read-only, an I/O error) is counted and logged, and *fences* the staging area: new
 writes get EROFS from then on, while reads and uploads of what is staged go on. A record
 whose removal failed stays on disk; the next start replays it (an upload or delete again:
-idempotent). Nothing here raises into the engine's nursery but ``write_record``'s EROFS, which
-reaches the FUSE call that asked for the write.
+idempotent). Nothing here raises into the engine's nursery but the EROFS of ``write_record`` and
+``drop_record``, which reaches the FUSE call that asked for the change.
 """
 
 import errno
@@ -60,6 +60,20 @@ class JournalGuard:
             await trio.to_thread.run_sync(remove, limiter=self._limiter)
         except OSError as exc:
             self.failed(f"removing record {ident:016x}", exc)
+
+    async def drop_record(self, ident: int) -> None:
+        """Remove a record whose removal is itself the change asked for (the unlink of a file
+        never uploaded); on failure fence the staging area and raise EROFS, as ``write_record``."""
+        self.check()
+
+        def remove() -> None:
+            self.barrier()
+            self.journal.remove_record(ident)
+        try:
+            await trio.to_thread.run_sync(remove, limiter=self._limiter)
+        except OSError as exc:
+            self.failed(f"removing record {ident:016x}", exc)
+            self.check()
 
     async def forget(self, ident: int, fd: int) -> None:
         """Remove a record, then its staging file, and close ``fd`` (unless -1); a failed
