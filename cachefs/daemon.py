@@ -37,7 +37,8 @@ from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.hedge import HedgePolicy, Hedger
 from cachefs.tiers.memory import MemoryTier
 from cachefs.warm.engine import Warmer
-from cachefs.writeback.engine import Writeback, make_writeback
+from cachefs.writeback.engine import SyncPolicy, Writeback
+from cachefs.writeback.journal import Journal
 
 if TYPE_CHECKING:
     from cachefs.packfmt import Manifest, PackedIndex
@@ -75,7 +76,7 @@ class Daemon:
             snapshot = ListingSnapshot(cfg.cache_dir, store.identity) if self.packed is None else None
         except (OSError, sqlite3.Error) as exc:
             raise CacheDirError(f"cache dir {cfg.cache_dir}: cannot write the listing snapshot ({exc})") from None
-        self.writeback: Writeback | None = (make_writeback(cfg, store, metrics)
+        self.writeback: Writeback | None = (_writeback(cfg, store, metrics)
                                             if cfg.writable and self.packed is None else None)
         self.vfs = Vfs(store, self.tiers, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=immutable,
                        writeback=self.writeback, fsync_remote=cfg.fsync == "remote", source=self.packed,
@@ -155,6 +156,17 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
         store.close()
     finally:
         lock.close()
+
+
+def _writeback(cfg: MountConfig, store: ObjectStore, metrics: Metrics) -> Writeback:
+    """The write-back engine of a writable mount (its journal under ``cfg.staging_path``)."""
+    try:
+        journal = Journal(cfg.staging_path)
+    except OSError as exc:
+        raise CacheDirError(f"staging dir {cfg.staging_path}: {exc.strerror}") from None
+    return Writeback(store, journal, SyncPolicy.from_config(cfg), metrics, staging_size=cfg.staging_size,
+                     staging_wait=cfg.staging_wait, part_size=cfg.upload_part_size,
+                     upload_concurrency=cfg.upload_concurrency, log_concurrency=cfg.log_upload_concurrency)
 
 
 def check_store(store: ObjectStore, cfg: MountConfig) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import trio
 
-from cachefs.errors import CacheDirError, StoreError
+from cachefs.errors import StoreError
 from cachefs.metrics import Metrics, WritebackMetrics
 from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectInfo, ObjectStore
@@ -56,8 +56,7 @@ from cachefs.writeback.staged import (
 )
 from cachefs.writeback.uploader import Uploader
 
-__all__ = ["CHECKPOINT", "CLASSES", "LOG", "MAX_PARTS", "StagedFile", "SyncPolicy", "Writeback",
-           "make_writeback", "part_size_for"]
+__all__ = ["CHECKPOINT", "CLASSES", "LOG", "MAX_PARTS", "StagedFile", "SyncPolicy", "Writeback", "part_size_for"]
 
 log = logging.getLogger(__name__)
 
@@ -499,29 +498,23 @@ class Writeback:
                 raise
 
     async def unlink(self, entry: StagedFile) -> None:
-        """The staged file's name is gone: journal a tombstone if an object may exist, drop the rest."""
+        """The staged file's name is gone: journal a tombstone if an object may exist, else remove
+        its record, which is what makes this unlink durable (if that fails: EROFS, nothing changed;
+        bug 8 in docs/reliability.md; the path is busy meanwhile, so no upload of it starts). Then
+        drop the rest."""
         self._guard.check()
         if entry.remote or entry.uploading is not None:
             await self.delete(entry.path)
         else:
-            await self._drop_record(entry)
-        await self._discard(entry)
-
-    async def _drop_record(self, entry: StagedFile) -> None:
-        """Remove the record of a file never uploaded: that removal is what makes its unlink
-        durable. If it fails (the cache dir turned read-only) the unlink fails with EROFS and
-        nothing changes; acknowledging it anyway would bring the file back at the next start
-        (found by the crash campaign's read-only variant). No upload of the file starts meanwhile
-        (its path is busy), so none can put it in the store behind the unlink's back."""
-        hold = entry.path not in self._busy
-        if hold:
+            hold = entry.path not in self._busy
             self._busy.add(entry.path)
-        try:
-            async with entry.record_lock:
-                await self._guard.drop_record(entry.id)
-        finally:
-            if hold:
-                self._busy.discard(entry.path)
+            try:
+                async with entry.record_lock:
+                    await self._guard.drop_record(entry.id)
+            finally:
+                if hold:
+                    self._busy.discard(entry.path)
+        await self._discard(entry)
 
     async def _discard(self, entry: StagedFile) -> None:
         if self._files.get(entry.path) is entry:
@@ -605,14 +598,3 @@ class Writeback:
 
     def _update_gauges(self, now: float) -> None:
         _status.update_gauges(self._m, self.status())
-
-
-def make_writeback(cfg, store: ObjectStore, metrics: Metrics) -> Writeback:
-    """The write-back engine of a mount configuration (its journal under ``cfg.staging_path``)."""
-    try:
-        journal = Journal(cfg.staging_path)
-    except OSError as exc:
-        raise CacheDirError(f"staging dir {cfg.staging_path}: {exc.strerror}") from None
-    return Writeback(store, journal, SyncPolicy.from_config(cfg), metrics, staging_size=cfg.staging_size,
-                     staging_wait=cfg.staging_wait, part_size=cfg.upload_part_size,
-                     upload_concurrency=cfg.upload_concurrency, log_concurrency=cfg.log_upload_concurrency)
