@@ -510,7 +510,7 @@ class Writeback:
             self._busy.add(entry.path)
             try:
                 async with entry.record_lock:
-                    await self._guard.drop_record(entry.id)
+                    await self._guard.remove_record(entry.id, required=True)
             finally:
                 if hold:
                     self._busy.discard(entry.path)

@@ -4,7 +4,7 @@ turned read-only, an I/O error) is counted and logged, and *fences* the staging 
 writes get EROFS from then on, while reads and uploads of what is staged go on. A record
 whose removal failed stays on disk; the next start replays it (an upload or delete again:
 idempotent). Nothing here raises into the engine's nursery but the EROFS of ``write_record`` and
-``drop_record``, which reaches the FUSE call that asked for the change.
+a required ``remove_record``, which reaches the FUSE call that asked for the change.
 """
 
 import errno
@@ -52,28 +52,22 @@ class JournalGuard:
             self.failed(f"writing the record of {record.path}", exc)
             self.check()
 
-    async def remove_record(self, ident: int) -> None:
-        def remove() -> None:
-            self.barrier()
-            self.journal.remove_record(ident)
-        try:
-            await trio.to_thread.run_sync(remove, limiter=self._limiter)
-        except OSError as exc:
-            self.failed(f"removing record {ident:016x}", exc)
-
-    async def drop_record(self, ident: int) -> None:
-        """Remove a record whose removal is itself the change asked for (the unlink of a file
-        never uploaded); on failure fence the staging area and raise EROFS, as ``write_record``."""
-        self.check()
-
-        def remove() -> None:
-            self.barrier()
-            self.journal.remove_record(ident)
-        try:
-            await trio.to_thread.run_sync(remove, limiter=self._limiter)
-        except OSError as exc:
-            self.failed(f"removing record {ident:016x}", exc)
+    async def remove_record(self, ident: int, *, required: bool = False) -> None:
+        """Remove a record. ``required``: the removal is itself the change asked for (the unlink
+        of a file never uploaded), so it is refused once fenced, and a failure fences the staging
+        area and raises EROFS, as ``write_record``'s does."""
+        if required:
             self.check()
+
+        def remove() -> None:
+            self.barrier()
+            self.journal.remove_record(ident)
+        try:
+            await trio.to_thread.run_sync(remove, limiter=self._limiter)
+        except OSError as exc:
+            self.failed(f"removing record {ident:016x}", exc)
+            if required:
+                self.check()
 
     async def forget(self, ident: int, fd: int) -> None:
         """Remove a record, then its staging file, and close ``fd`` (unless -1); a failed
