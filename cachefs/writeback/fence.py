@@ -2,8 +2,8 @@
 place (bug 2 in docs/reliability.md): a record write or removal that fails (the filesystem
 turned read-only, an I/O error) is counted and logged, and *fences* the staging area: new
 writes get EROFS from then on, while reads and uploads of what is staged go on. A record
-whose removal failed stays on disk; the next start replays it (an upload or delete again:
-idempotent). Nothing here raises into the engine's nursery but the EROFS of ``write_record`` and
+whose removal failed stays on disk, and from then on no record is removed; the next start
+replays them (an upload or delete again: idempotent). Nothing here raises into the engine's nursery but the EROFS of ``write_record`` and
 a required ``remove_record``, which reaches the FUSE call that asked for the change.
 """
 
@@ -58,6 +58,8 @@ class JournalGuard:
         area and raises EROFS, as ``write_record``'s does."""
         if required:
             self.check()
+        elif self.reason:
+            return          # fenced: nothing is removed any more (see ``forget``)
 
         def remove() -> None:
             self.barrier()
@@ -71,7 +73,16 @@ class JournalGuard:
 
     async def forget(self, ident: int, fd: int) -> None:
         """Remove a record, then its staging file, and close ``fd`` (unless -1); a failed
-        removal leaves both (the record first: a record never outlives its data)."""
+        removal leaves both (the record first: a record never outlives its data).
+
+        Once the staging area is fenced, nothing is removed: a replay keeps only the newest
+        record of a path, so a removal that works after one that failed (a transient error)
+        could leave an old record (a tombstone) to outlive a newer one and undo it."""
+        if self.reason:
+            if fd >= 0:
+                os.close(fd)
+            return
+
         def remove() -> OSError | None:
             try:
                 self.barrier()
