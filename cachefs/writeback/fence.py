@@ -3,8 +3,9 @@ place (bug 2 in docs/reliability.md): a record write or removal that fails (the 
 turned read-only, an I/O error) is counted and logged, and *fences* the staging area: new
 writes get EROFS from then on, while reads and uploads of what is staged go on. A record
 whose removal failed stays on disk, and from then on no record is removed; the next start
-replays them (an upload or delete again: idempotent). Nothing here raises into the engine's nursery but the EROFS of ``write_record`` and
-a required ``remove_record``, which reaches the FUSE call that asked for the change.
+replays them (an upload or delete again: idempotent). Nothing here raises into the engine's
+nursery but the EROFS of ``write_record`` and of a required ``remove_record``, which reaches
+the FUSE call that asked for the change.
 """
 
 import errno
