@@ -134,9 +134,10 @@ def make_disk(root, metrics: Metrics) -> DiskTier:
 
 
 def make_cache(store: ObjectStore, metrics: Metrics, disk: DiskTier | None = None, *, mem: int = 16 << 20,
-               readahead: int = 8 * BS, max_fetches: int = 8, max_readaheads: int = 4) -> Tiers:
+               readahead: int = 8 * BS, max_fetches: int = 8, max_readaheads: int = 4,
+               readahead_at_lookup: bool = False) -> Tiers:
     return Tiers(store, MemoryTier(mem, metrics), disk, metrics, block_size=BS, readahead_size=readahead,
-                 max_fetches=max_fetches, max_readaheads=max_readaheads)
+                 max_fetches=max_fetches, max_readaheads=max_readaheads, readahead_at_lookup=readahead_at_lookup)
 
 
 @asynccontextmanager
@@ -253,8 +254,7 @@ def test_a_lookup_readahead_is_in_flight_at_once_and_the_open_joins_it(bucket_me
     store = bucket_mem.store()
     f = bucket_mem.version(store, "f")
     metrics = Metrics()
-    cache = Tiers(store, MemoryTier(16 << 20, metrics), None, metrics, block_size=BS, readahead_size=8 * BS,
-                  max_fetches=8, max_readaheads=4, readahead_at_lookup=True)
+    cache = make_cache(store, metrics, readahead_at_lookup=True)
 
     async def scenario():
         async with serving(cache):
@@ -288,8 +288,7 @@ def test_a_failed_lookup_readahead_fails_its_joiners_once_and_the_read_retries(b
     store = bucket_mem.store()
     f = bucket_mem.version(store, "f")
     metrics = Metrics()
-    cache = Tiers(store, MemoryTier(16 << 20, metrics), None, metrics, block_size=BS, readahead_size=8 * BS,
-                  max_fetches=8, max_readaheads=4, readahead_at_lookup=True)
+    cache = make_cache(store, metrics, readahead_at_lookup=True)
 
     async def scenario():
         async with serving(cache):
@@ -311,8 +310,7 @@ def test_an_unexpected_error_in_a_lookup_readahead_is_logged_and_stops_nothing(b
     store = bucket_mem.store()
     f = bucket_mem.version(store, "f")
     metrics = Metrics()
-    cache = Tiers(store, MemoryTier(16 << 20, metrics), None, metrics, block_size=BS, readahead_size=8 * BS,
-                  max_fetches=8, max_readaheads=4, readahead_at_lookup=True)
+    cache = make_cache(store, metrics, readahead_at_lookup=True)
 
     async def scenario():
         async with serving(cache):
