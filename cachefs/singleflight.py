@@ -56,18 +56,16 @@ class SingleFlight:
 
     async def _run(self, key: Hashable, call: _Call, fn: Callable[[], Awaitable[Any]]) -> None:
         try:
-            call.value = await fn()
-        except Exception as exc:
-            call.error = exc
-        except BaseException as exc:      # cancelled: a joiner leads a new call
-            call.error = exc
-            raise
-        finally:
-            del self._calls[key]
-            call.done.set()
+            await self._settle(key, call, fn)
+        except Exception:
+            pass            # the joiners get it; ``fn`` reported it (a cancellation propagates)
 
     async def _lead(self, key: Hashable, fn: Callable[[], Awaitable[Any]]) -> Any:
         call = self._calls[key] = _Call()
+        return await self._settle(key, call, fn)
+
+    async def _settle(self, key: Hashable, call: _Call, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``fn`` as ``key``'s call: its value or error goes to the joiners, and the call ends."""
         try:
             call.value = await fn()
             return call.value
