@@ -1,8 +1,10 @@
 """The CSI driver over gRPC with real mounts and a real S3 server: error codes per RPC, a volume
-shared by two pods, read-only publishing, idempotent repeats, and secrets that leak nowhere."""
+shared by two pods, read-only publishing, idempotent repeats, secrets that leak nowhere, and a
+packed dataset as a volume."""
 
 import errno
 import os
+import random
 import stat
 import subprocess
 import urllib.request
@@ -306,3 +308,38 @@ def test_non_root_pod_gets_its_fs_group(public_dir, tmp_path, s3_server, bucket)
         cleanup_mounts(public_dir)
         for pid in pids:
             os.kill(pid, 9)
+
+
+def test_a_packed_dataset_is_a_volume_of_its_original_tree(driver, tmp_path, s3_server, bucket, monkeypatch):
+    """`cachefs pack` output as a pod's volume: the daemon the plugin starts finds the manifest,
+    the pod reads the original paths byte-identical (the source objects deleted first, so from the
+    shards), and a write is refused with EROFS; unpublish and unstage leave nothing behind."""
+    from cachefs.cli import main
+    from packer.cli import register_pack
+    client = s3_client(s3_server.endpoint_url)
+    rng = random.Random(3)
+    files = {f"train/c{i % 3}/img_{i:03d}.jpg": rng.randbytes(rng.randint(1, 20_000)) for i in range(90)}
+    files["labels.csv"] = b"path,label\n"
+    put_tree(client, bucket, "src", files)
+    monkeypatch.setattr("cachefs.cli._add_plugin_commands", register_pack)
+    assert main(["pack", "--quiet", f"s3://{bucket}/src", f"s3://{bucket}/packed",
+                 "--endpoint-url", s3_server.endpoint_url]) == 0
+    client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": f"src/{k}"} for k in files]})
+    cap = capability(MODE.MULTI_NODE_READER_ONLY)
+    stage, pod = str(tmp_path / "globalmount"), str(tmp_path / "pod/mount")
+    driver.node.NodeStageVolume(pb.NodeStageVolumeRequest(
+        volume_id="packed-1", staging_target_path=stage, volume_capability=cap, secrets=SECRETS,
+        volume_context=static_context(s3_server.endpoint_url, bucket, prefix="packed")), timeout=120)
+    driver.node.NodePublishVolume(pb.NodePublishVolumeRequest(
+        volume_id="packed-1", staging_target_path=stage, target_path=pod, volume_capability=cap, readonly=True),
+        timeout=60)
+    got = {str(p.relative_to(pod)): p.read_bytes() for p in Path(pod).rglob("*") if p.is_file()}
+    assert got == files                             # the sources are gone: every byte came from the shards
+    with pytest.raises(OSError) as info:
+        Path(pod, "train/new.txt").write_bytes(b"x")
+    assert info.value.errno == errno.EROFS
+    driver.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id="packed-1", target_path=pod))
+    driver.node.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(volume_id="packed-1", staging_target_path=stage),
+                                  timeout=120)
+    assert mounted_under(tmp_path) == []
+    wait_for(lambda: driver.daemon_pids() == [], 10, "the daemon to exit")
