@@ -2,12 +2,13 @@
 
 moto is the faithful server for most behaviour tests; these check what differs on the object
 store cachefs is built for: If-Match on ranged GETs, RGW's empty CompleteMultipartUpload ETag,
-its listing pagination, and warm remounts. The cluster starts once for the module (~6 s).
-Skipped when the ceph binaries are missing, except under CI=true, where `make deps` installs them.
+its listing pagination, warm remounts, and the packer end to end. The cluster starts once for
+the module (~6 s). Skipped when the ceph binaries are missing, except under CI=true, where `make deps` installs them.
 """
 
 import errno
 import hashlib
+import io
 import json
 import os
 import random
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
+import pyarrow.parquet as pq
 import pytest
 from botocore.config import Config
 from ceph_rgw import CephRGW
@@ -245,6 +247,9 @@ def test_pack_mount_append_verify_and_unpack_on_rgw(rgw, client, bucket, mount_f
     assert manifest["files"] == len(files) and manifest["shards"] >= 2
     head = client.head_object(Bucket=bucket, Key="packed/shards/00000.tfrecord")
     assert head["ETag"].strip('"').endswith("-2"), head["ETag"]          # streamed out in two parts
+    table = client.get_object(Bucket=bucket, Key=f"packed/{manifest['index_shards']}")["Body"].read()
+    etags = {row["shard"]: row["etag"] for row in pq.read_table(io.BytesIO(table)).to_pylist()}
+    assert etags[0].strip('"') == head["ETag"].strip('"')               # the HEAD's, not the empty answer
 
     mnt = mount_factory(dst, "--endpoint-url", rgw.endpoint_url, "--block-size", "1M").start()
     assert tree_digests(mnt.path) == {path: sha(data) for path, data in files.items()}
