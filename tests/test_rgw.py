@@ -3,7 +3,8 @@
 moto is the faithful server for most behaviour tests; these check what differs on the object
 store cachefs is built for: If-Match on ranged GETs, RGW's empty CompleteMultipartUpload ETag,
 its listing pagination, warm remounts, and the packer end to end. The cluster starts once for
-the module (~6 s). Skipped when the ceph binaries are missing, except under CI=true, where `make deps` installs them.
+the module (~6 s). Skipped when the ceph binaries are missing, except under CI=true, where
+`make deps` installs them.
 """
 
 import errno
