@@ -30,6 +30,17 @@ def bucket(s3_server: LocalS3Server) -> str:
     return name
 
 
+@pytest.fixture
+def pack_cli(monkeypatch: pytest.MonkeyPatch):
+    """`cachefs pack` / `unpack` in-process through ``cachefs.cli.main``, registered directly: their
+    registration through the entry point is what test_packer's own test checks, so a stale
+    egg-info on sys.path cannot hide them here. Returns ``run(command, *args)`` (quiet) -> exit code."""
+    from cachefs.cli import main
+    from packer.cli import register_pack, register_unpack
+    monkeypatch.setattr("cachefs.cli._add_plugin_commands", lambda sub: (register_pack(sub), register_unpack(sub)))
+    return lambda command, *args: main([command, "--quiet", *map(str, args)])
+
+
 class _WarningCollector(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

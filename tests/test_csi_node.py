@@ -310,20 +310,16 @@ def test_non_root_pod_gets_its_fs_group(public_dir, tmp_path, s3_server, bucket)
             os.kill(pid, 9)
 
 
-def test_a_packed_dataset_is_a_volume_of_its_original_tree(driver, tmp_path, s3_server, bucket, monkeypatch):
+def test_a_packed_dataset_is_a_volume_of_its_original_tree(driver, tmp_path, s3_server, bucket, pack_cli):
     """`cachefs pack` output as a pod's volume: the daemon the plugin starts finds the manifest,
     the pod reads the original paths byte-identical (the source objects deleted first, so from the
     shards), and a write is refused with EROFS; unpublish and unstage leave nothing behind."""
-    from cachefs.cli import main
-    from packer.cli import register_pack
     client = s3_client(s3_server.endpoint_url)
     rng = random.Random(3)
     files = {f"train/c{i % 3}/img_{i:03d}.jpg": rng.randbytes(rng.randint(1, 20_000)) for i in range(90)}
     files["labels.csv"] = b"path,label\n"
     put_tree(client, bucket, "src", files)
-    monkeypatch.setattr("cachefs.cli._add_plugin_commands", register_pack)
-    assert main(["pack", "--quiet", f"s3://{bucket}/src", f"s3://{bucket}/packed",
-                 "--endpoint-url", s3_server.endpoint_url]) == 0
+    assert pack_cli("pack", f"s3://{bucket}/src", f"s3://{bucket}/packed", "--endpoint-url", s3_server.endpoint_url) == 0
     client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": f"src/{k}"} for k in files]})
     cap = capability(MODE.MULTI_NODE_READER_ONLY)
     stage, pod = str(tmp_path / "globalmount"), str(tmp_path / "pod/mount")

@@ -22,7 +22,6 @@ from cachefs.data import PackedDataset, PackedIterableDataset
 from cachefs.demo.local_s3 import s3_client
 from cachefs.packfmt import PackExit
 from cachefs.packfmt.index import SHARDS_SCHEMA, parquet_bytes
-from packer.cli import register_pack
 
 pytestmark = pytest.mark.fuse
 
@@ -31,8 +30,8 @@ PACKED = ".cachefs-packed"
 
 
 @pytest.fixture(autouse=True)
-def pack_command(monkeypatch):
-    monkeypatch.setattr("cachefs.cli._add_plugin_commands", lambda sub: register_pack(sub))
+def pack_command(pack_cli):
+    """Every test here runs `cachefs pack` in-process (conftest's ``pack_cli``)."""
 
 
 @pytest.fixture

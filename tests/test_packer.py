@@ -20,7 +20,6 @@ from cachefs.metrics import Metrics
 from cachefs.packfmt import MANIFEST, BadName, PackExit, SourceChanged, open_index
 from cachefs.packfmt.tfrecord import example_fields, iter_records
 from cachefs.store import open_store
-from packer.cli import register_pack, register_unpack
 from packer.engine import Worker, plan_pack
 from packer.options import PackOptions
 from packer.progress import Progress
@@ -30,11 +29,8 @@ from tests.mounts import interruptible, put_tree
 
 
 @pytest.fixture(autouse=True)
-def pack_commands(monkeypatch):
-    """`cachefs pack` / `unpack` through cachefs.cli.main in-process. Their registration through the
-    entry point is what test_the_commands_are_registered checks; here they are added directly, so a
-    stale egg-info on sys.path cannot hide them."""
-    monkeypatch.setattr("cachefs.cli._add_plugin_commands", lambda sub: (register_pack(sub), register_unpack(sub)))
+def pack_commands(pack_cli):
+    """Every test here runs `cachefs pack` / `unpack` in-process (conftest's ``pack_cli``)."""
 
 
 def test_the_commands_are_registered_through_the_entry_point():

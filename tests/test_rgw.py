@@ -225,12 +225,9 @@ def test_multipart_write_back_round_trip(rgw, client, bucket, mount_factory):
 # ---- packed datasets on RGW ------------------------------------------------------------------------
 
 @pytest.fixture
-def packer(rgw: CephRGW, monkeypatch: pytest.MonkeyPatch):
-    """`cachefs pack` / `unpack` in-process (as in test_packer) against the cluster."""
-    from cachefs.cli import main
-    from packer.cli import register_pack, register_unpack
-    monkeypatch.setattr("cachefs.cli._add_plugin_commands", lambda sub: (register_pack(sub), register_unpack(sub)))
-    return lambda command, *args: main([command, "--quiet", *args, "--endpoint-url", rgw.endpoint_url])
+def packer(rgw: CephRGW, pack_cli):
+    """`cachefs pack` / `unpack` in-process (conftest's ``pack_cli``) against the cluster."""
+    return lambda command, *args: pack_cli(command, *args, "--endpoint-url", rgw.endpoint_url)
 
 
 def test_pack_mount_append_verify_and_unpack_on_rgw(rgw, client, bucket, mount_factory, packer, tmp_path):
