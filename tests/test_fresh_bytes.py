@@ -46,3 +46,13 @@ def test_on_cpython_the_kernel_writes_into_the_returned_object_once():
 def test_lengths_that_may_be_shared_objects_are_refused(length):
     with pytest.raises(ValueError):
         fresh.new(length)
+
+
+def test_the_view_keeps_its_bytes_alive():
+    """A view that outlives every other reference (an error mid-body, a traceback holding it)
+    still points at live memory."""
+    body, view = fresh.new(8192)
+    del body
+    view[:] = b"\x07" * 8192
+    assert bytes(view) == b"\x07" * 8192
+    view.release()

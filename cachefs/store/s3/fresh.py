@@ -21,7 +21,9 @@ import platform
 def _fresh(length: int) -> tuple[bytes, memoryview]:
     data = _from_string_and_size(None, length)
     address = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
-    return data, memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+    window = (ctypes.c_char * length).from_address(address)
+    window.owner = data     # the view keeps the bytes alive: it can never outlive them
+    return data, memoryview(window).cast("B")
 
 
 def _fallback(length: int) -> tuple[bytearray, memoryview]:
