@@ -2,9 +2,10 @@
 
 The obvious way, ``bytearray(n)``, ``recv_into`` it, then ``bytes(...)`` of it, writes every byte
 three times: the bytearray is zeroed, filled by the kernel, then copied into a new ``bytes``; and
-both buffers are fresh memory the kernel must fault in and clear page by page (a 4 MiB block is
-1,024 page faults each). Measured on the packed mount's cold epoch (py-spy on the trio thread,
-2-CPU VM): that body handling was a third of the trio thread's busy time.
+both buffers are often memory the kernel must fault in and clear page by page (up to 1,024 page
+faults per 4 MiB buffer; fewer once glibc reuses freed blocks). Measured on the packed mount's
+cold epoch (2-CPU VM, 5 rounds each way): the daemon at 0.36-0.41 ms of CPU per file against
+0.39-0.48, 18-23 page faults per file against 26-28 (docs/packer.md, "Not yet").
 
 ``new(n)`` makes an uninitialised ``bytes`` of ``n`` bytes (``PyBytes_FromStringAndSize(NULL, n)``,
 as C extensions build one) and a writable view of its buffer, so the kernel writes each byte once,
