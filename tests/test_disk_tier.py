@@ -887,6 +887,25 @@ def test_direct_write_buffers_are_reused_and_bounded():
     assert bigger not in bufs and len(bigger) >= 3 << 20
 
 
+def test_small_buffers_do_not_hold_the_pool():
+    """A full pool hands its smallest buffer back to the kernel, not the large one just returned:
+    otherwise a few small writes (a shard's tail block) would make every later large write map,
+    fault in and unmap a buffer of its own."""
+    direct = block_format.DirectWrites(keep=2)
+    small = [direct._take(5000) for _ in range(2)]
+    big = direct._take(3 << 20)
+    for b in small + [big]:
+        direct._give(b)
+    assert big in direct._free and len(direct._free) == 2
+    assert sum(b.closed for b in small) == 1
+    assert direct._take(3 << 20) is big            # the next large write reuses it
+
+
+def test_the_tier_pools_a_buffer_per_concurrent_writer(tmp_path):
+    tier = make_tier(tmp_path, fill_workers=3, warm_workers=5)
+    assert tier.direct.keep == 3 + 5
+
+
 def test_the_tier_writes_with_o_direct_by_default(tmp_path, monkeypatch):
     seen = []
     real_open = os.open

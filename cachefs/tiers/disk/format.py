@@ -335,11 +335,16 @@ class DirectWrites:
         return mmap.mmap(-1, round_up(size, 1 << 20))     # anonymous mappings are page-aligned
 
     def _give(self, buf: mmap.mmap) -> None:
+        """Back to the pool; past ``keep`` buffers the smallest goes. Dropping the one handed back
+        instead let a few small buffers (a shard's tail block, an index file) hold the pool for
+        good while every large write mapped, faulted in and unmapped a buffer of its own."""
         with self._lock:
-            if len(self._free) < self.keep:
-                self._free.append(buf)
+            self._free.append(buf)
+            if len(self._free) <= self.keep:
                 return
-        buf.close()
+            smallest = min(reversed(self._free), key=len)     # of equals, the one handed back
+            self._free.remove(smallest)
+        smallest.close()
 
 
 def _device(directory: Path) -> int:

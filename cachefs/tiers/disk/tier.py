@@ -77,8 +77,11 @@ class DiskTier:
         self.pins = PinSet(self.root / "pins")
         self._fill_send, self._fill_recv = trio.open_memory_channel[_FillJob](math.inf)
         self._nursery: trio.Nursery | None = None
-        # O_DIRECT writes (format.DirectWrites): no copy into the page cache for every cached byte
-        self.direct = fmt.DirectWrites(keep=max(warm_workers, fill_workers)) if direct_io else None
+        # O_DIRECT writes (format.DirectWrites): no copy into the page cache for every cached byte.
+        # The pool keeps a buffer for every writer the two limiters admit at once (reader fills
+        # beside warm writers); a writer without one maps and faults in a fresh buffer per block.
+        writers = self._limiter.total_tokens + self._warm_limiter.total_tokens
+        self.direct = fmt.DirectWrites(keep=int(writers)) if direct_io else None
         # a seam for tests: a blocking call that can fail
         self._write_file = functools.partial(fmt.write_block_file, direct=self.direct)
         metrics.tier_capacity_bytes.labels(_TIER).set(capacity)
