@@ -189,6 +189,13 @@ def setup_peer(peer: str) -> None:
                     *PEER_REQUIREMENTS[peer]], check=True)
 
 
+def _last_error(stderr: str, limit: int = 300) -> str:
+    """The last line of a peer's stderr (its exception), cut at ``limit`` from its start: the
+    exception's type and message come first, a long path or hint after them."""
+    line = (stderr.strip().splitlines() or ["failed"])[-1]
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 def run_peer(peer: str, job: dict, scratch: Path, timeout: float = 1800.0) -> dict:
     """One peer's converter and first epoch in its venv; the JSON it printed (or an error)."""
     scratch.mkdir(parents=True, exist_ok=True)
@@ -207,7 +214,7 @@ def run_peer(peer: str, job: dict, scratch: Path, timeout: float = 1800.0) -> di
             return {**out, "peer": peer, "error": f"{step} timed out after {timeout:.0f} s"}
         lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
         if result.returncode != 0 or not lines:
-            return {**out, "peer": peer, "error": f"{step}: " + (result.stderr.strip().splitlines() or ["failed"])[-1][-300:],
+            return {**out, "peer": peer, "error": f"{step}: " + _last_error(result.stderr),
                     "stderr": result.stderr[-4000:]}
         out.update(json.loads(lines[-1]))
     return out

@@ -194,3 +194,13 @@ def test_a_metered_row_says_where_its_cpu_went(tmp_path, capsys):
     plain = next(line for line in table if line.startswith("plain row"))
     assert f"0.00 / 0.00 / {row['cpu_client_ms']:.2f}" in metered and f"{row['cap_files_s']:.0f}" in metered
     assert plain.rstrip().endswith("yes")
+
+
+def test_a_failed_peer_is_reported_by_its_exception_first():
+    stderr = ("Traceback (most recent call last):\n  File x\n"
+              "litdata.exceptions.ChunkWaitTimeoutError: Timed out after 120s waiting for chunk "
+              + "/var/tmp/" + "d" * 400 + "/chunk-1-3.bin. This is usually a hung download.\n")
+    error = packed_rows._last_error(stderr)
+    assert error.startswith("litdata.exceptions.ChunkWaitTimeoutError: Timed out after 120s")
+    assert len(error) <= 303 and error.endswith("...")
+    assert packed_rows._last_error("") == "failed"
