@@ -901,6 +901,21 @@ def test_small_buffers_do_not_hold_the_pool():
     assert direct._take(3 << 20) is big            # the next large write reuses it
 
 
+def test_the_pool_keeps_a_bounded_number_of_bytes():
+    direct = block_format.DirectWrites(keep=8, keep_bytes=3 << 20)
+    small = [direct._take(5000) for _ in range(3)]         # 1 MiB each
+    for b in small:
+        direct._give(b)
+    assert len(direct._free) == 3
+    big = direct._take(3 << 20)
+    assert big not in small
+    direct._give(big)
+    assert direct._free == [big] and all(b.closed for b in small)
+    huge = direct._take(5 << 20)                           # past keep_bytes alone: still one is kept
+    direct._give(huge)
+    assert direct._free == [huge] and big.closed
+
+
 def test_the_tier_pools_a_buffer_per_concurrent_writer(tmp_path):
     tier = make_tier(tmp_path, fill_workers=3, warm_workers=5)
     assert tier.direct.keep == 3 + 5

@@ -270,10 +270,15 @@ class DirectWrites:
     The data goes through one copy into a page-aligned buffer; the tail is padded to
     ``HEADER_ALIGN`` and the file truncated to its exact size. A file system that refuses O_DIRECT
     (EINVAL: tmpfs before Linux 6.6, some FUSE or network file systems) gets buffered writes from
-    then on, logged once: ``refused`` holds its device numbers."""
+    then on, logged once: ``refused`` holds its device numbers.
 
-    def __init__(self, keep: int = 8) -> None:
+    Between writes the pool keeps at most ``keep`` buffers and ``keep_bytes`` bytes (but always
+    one buffer): a buffer per writer with the default 4 MiB blocks, fewer with large blocks, so
+    ``--block-size 64M`` does not hold 12 x 65 MiB for good."""
+
+    def __init__(self, keep: int = 8, keep_bytes: int = 96 << 20) -> None:
         self.keep = keep
+        self.keep_bytes = keep_bytes
         self.refused: set[int] = set()
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
@@ -335,16 +340,19 @@ class DirectWrites:
         return mmap.mmap(-1, round_up(size, 1 << 20))     # anonymous mappings are page-aligned
 
     def _give(self, buf: mmap.mmap) -> None:
-        """Back to the pool; past ``keep`` buffers the smallest goes. Dropping the one handed back
-        instead let a few small buffers (a shard's tail block, an index file) hold the pool for
-        good while every large write mapped, faulted in and unmapped a buffer of its own."""
+        """Back to the pool; past ``keep`` buffers or ``keep_bytes`` the smallest go. Dropping the
+        one handed back instead let a few small buffers (a shard's tail block, an index file) hold
+        the pool for good while every large write mapped, faulted in and unmapped one of its own."""
+        dropped = []
         with self._lock:
             self._free.append(buf)
-            if len(self._free) <= self.keep:
-                return
-            smallest = min(reversed(self._free), key=len)     # of equals, the one handed back
-            self._free.remove(smallest)
-        smallest.close()
+            while len(self._free) > 1 and (len(self._free) > self.keep
+                                           or sum(map(len, self._free)) > self.keep_bytes):
+                smallest = min(reversed(self._free), key=len)     # of equals, the one handed back
+                self._free.remove(smallest)
+                dropped.append(smallest)
+        for b in dropped:
+            b.close()
 
 
 def _device(directory: Path) -> int:
