@@ -4,6 +4,8 @@ is in test_mount_read.py (test_free_workers_read_queued_requests_at_once)."""
 
 import os
 import socket
+import threading
+import time
 import types
 
 import pytest
@@ -12,7 +14,7 @@ import trio.testing
 
 from cachefs import fuse_intake
 from cachefs.fuse_intake import STREAK, Intake
-from cachefs.sched import held, send_all
+from cachefs.sched import held, in_thread, send_all
 
 
 class Passes:
@@ -95,6 +97,73 @@ def test_held_releases_on_error():
         with pytest.raises(ValueError):
             async with held(limiter):
                 raise ValueError("boom")
+        assert limiter.borrowed_tokens == 0
+
+    trio.run(main)
+
+
+# ---- in_thread ------------------------------------------------------------------------------
+
+def test_in_thread_runs_the_call_in_a_worker_and_returns_its_value_and_errors():
+    async def main():
+        limiter = trio.CapacityLimiter(2)
+        here = threading.get_ident()
+        ident, total = await in_thread(lambda a, b: (threading.get_ident(), a + b), 2, 3, limiter=limiter)
+        assert ident != here and total == 5
+        with pytest.raises(OSError, match="disk on fire"):
+            await in_thread(_fail, "disk on fire", limiter=limiter)
+        assert limiter.borrowed_tokens == 0
+
+    trio.run(main)
+
+
+def _fail(text):
+    raise OSError(text)
+
+
+def test_in_thread_leaves_the_worker_threads_name_alone():
+    """trio.to_thread renames the worker for each call and back (two ctypes calls): not here."""
+    async def main():
+        limiter = trio.CapacityLimiter(1)
+        first = await in_thread(lambda: threading.current_thread().name, limiter=limiter)
+        assert first.startswith("Trio thread")
+        assert await in_thread(lambda: threading.current_thread().name, limiter=limiter) == first
+
+    trio.run(main)
+
+
+def test_in_thread_holds_a_limiter_token_per_running_call():
+    async def main():
+        limiter = trio.CapacityLimiter(2)
+        running, peak, lock = [0], [0], threading.Lock()
+
+        def work():
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):
+                nursery.start_soon(lambda: in_thread(work, limiter=limiter))
+        assert peak[0] == 2 and limiter.borrowed_tokens == 0
+
+    trio.run(main)
+
+
+def test_in_thread_is_not_abandoned_when_its_caller_is_cancelled():
+    """Like to_thread's default: a started write or read finishes (and its token comes back)
+    before the caller sees the cancellation."""
+    async def main():
+        limiter = trio.CapacityLimiter(1)
+        done = []
+        start = time.monotonic()
+        with trio.move_on_after(0.02):
+            await in_thread(lambda: (time.sleep(0.2), done.append(1)), limiter=limiter)
+            await trio.lowlevel.checkpoint()
+        assert done == [1] and time.monotonic() - start >= 0.2
         assert limiter.borrowed_tokens == 0
 
     trio.run(main)

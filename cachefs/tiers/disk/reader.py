@@ -20,6 +20,7 @@ import trio
 
 from cachefs.errors import CorruptBlock
 from cachefs.metrics import Metrics
+from cachefs.sched import in_thread
 from cachefs.tiers.disk import format as fmt
 from cachefs.tiers.disk.health import DiskHealth
 from cachefs.tiers.disk.index import Layout, SegmentedLRU
@@ -209,7 +210,7 @@ class BlockReader:
         """``read(*args)`` inline (``fd`` given and the policy allows it) or in a worker thread."""
         if fd is not None and self._inline_ok(size):
             return await self._run_inline(fd, read, args)
-        return await trio.to_thread.run_sync(read, *args, limiter=self._limiter)
+        return await in_thread(read, *args, limiter=self._limiter)
 
     async def _run_inline(self, fd: int, read: Callable, args: tuple):
         """``read(*args)`` (which owns ``fd``) on the trio thread after a read-ahead hint and
@@ -240,7 +241,7 @@ class BlockReader:
         if not self._readable(digest) or digest in self.handles:
             return
         try:
-            fd, header, _ = await trio.to_thread.run_sync(
+            fd, header, _ = await in_thread(
                 fmt.open_block, self._layout.block_file(digest), 0, fmt.pread_willneed, limiter=self._limiter)
         except (OSError, CorruptBlock):
             return                        # the read that follows will find and handle it

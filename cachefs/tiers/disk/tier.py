@@ -22,6 +22,7 @@ import trio
 
 from cachefs.errors import CacheDirError, CorruptBlock
 from cachefs.metrics import Metrics
+from cachefs.sched import in_thread
 from cachefs.tiers.disk import format as fmt
 from cachefs.tiers.disk import index as layout
 from cachefs.tiers.disk.format import BlockHeader
@@ -282,7 +283,7 @@ class DiskTier:
         tmp = self.layout.tmp / f"{job.digest}.{secrets.token_hex(4)}.tmp"
         written = False
         try:
-            errors = await trio.to_thread.run_sync(
+            errors = await in_thread(
                 self._write_file, [self.layout.block_path(d) for d in room.doomed], tmp,
                 self.layout.block_path(job.digest), job.data, self._chunk_size, self._fsync,
                 limiter=self._warm_limiter if job.low else self._limiter)
