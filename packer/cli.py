@@ -18,7 +18,8 @@ from .stores import local_root, open_location, to_url
 
 EXIT_CODES = """exit codes:
   0 done                                  2 bad arguments, or DST already packed (use --append)
-  3 SRC or DST does not exist             4 credentials missing or refused
+  3 SRC or DST does not exist, or SRC     4 credentials missing or refused
+    holds no files
   5 the object store failed               21 a source name cannot be packed ('..', absolute,
   22 a source object changed while it       duplicate, newline, both a file and a directory)
      was packed: run again                23 a shard or the index is corrupt (crc, offsets,

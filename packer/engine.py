@@ -7,7 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from cachefs.errors import UsageError
+from cachefs.errors import NoSuchKey, UsageError
 from cachefs.packfmt import Manifest, PackedIndex, read_manifest, shard_path
 from cachefs.packfmt.shard import ShardBuilder
 from cachefs.packfmt.store_index import open_index
@@ -27,6 +27,9 @@ def plan_pack(src: ObjectStore, dst: ObjectStore, src_root: str | None, options:
     """The plan of this run: everything (first pack) or what changed since the manifest (--append)."""
     manifest = read_manifest(dst)
     files = list_source(src, src_root)
+    if not files:       # a mistyped SRC: publishing an empty dataset (or tombstoning all of one) helps no one
+        raise NoSuchKey("SRC holds no files (check its path): nothing to pack" if manifest is None else
+                        "SRC holds no files (check its path): --append would delete every packed file")
     if manifest is None:
         if options.append:
             raise UsageError("--append: the destination holds no packed dataset yet (pack it first)")

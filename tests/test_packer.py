@@ -15,7 +15,7 @@ import pytest
 
 from cachefs.cli import main
 from cachefs.demo.local_s3 import s3_client
-from cachefs.errors import NoSuchKey
+from cachefs.errors import ExitCode, NoSuchKey
 from cachefs.metrics import Metrics
 from cachefs.packfmt import MANIFEST, BadName, PackExit, SourceChanged, open_index
 from cachefs.packfmt.tfrecord import example_fields, iter_records
@@ -330,6 +330,25 @@ def test_usage_errors_and_an_already_packed_destination(tmp_path):
     assert pack(tmp_path / "src", tmp_path / "dst") == 2
     assert pack("--merge", tmp_path / "empty") == PackExit.INCOMPLETE
 
+
+def test_a_missing_or_empty_source_is_refused_and_publishes_nothing(tmp_path, s3_server, bucket, capsys):
+    """A mistyped SRC lists no files: exit 3 (not found) and one line, never an empty dataset
+    published (a mount of it would show nothing), nor an --append that tombstones every file."""
+    (tmp_path / "empty").mkdir()
+    for src in (tmp_path / "no-such-dir", tmp_path / "empty"):
+        assert pack(src, tmp_path / "dst") == ExitCode.NOT_FOUND
+        assert_nothing_published(tmp_path / "dst")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and all("SRC holds no files" in line and "nothing to pack" in line for line in err)
+    assert pack(f"s3://{bucket}/typo", tmp_path / "dst", "--endpoint-url", s3_server.endpoint_url) == ExitCode.NOT_FOUND
+    assert_nothing_published(tmp_path / "dst")
+    files = make_tree(tmp_path / "src", n=5)
+    assert pack(tmp_path / "src", tmp_path / "dst") == 0
+    capsys.readouterr()
+    assert pack(tmp_path / "empty", tmp_path / "dst", "--append") == ExitCode.NOT_FOUND
+    assert "--append would delete every packed file" in capsys.readouterr().err
+    assert unpack(tmp_path / "dst", tmp_path / "out") == 0
+    assert read_tree(tmp_path / "out") == files      # the dataset is untouched
 
 def test_json_progress_lines_end_with_a_summary(tmp_path, capsys):
     files = make_tree(tmp_path / "src", n=20)
