@@ -17,7 +17,8 @@ from .stores import local_root, open_location, to_url
 # its parser: every other subcommand (mount, status, ...) would pay their import time.
 
 EXIT_CODES = """exit codes:
-  0 done                                  2 bad arguments, or DST already packed (use --append)
+  0 done                                  2 bad arguments; DST not empty (packed: use --append);
+                                            unpack: OUT holds the files (use --overwrite)
   3 SRC or DST does not exist, or SRC     4 credentials missing or refused
     holds no files
   5 the object store failed               21 a source name cannot be packed ('..', absolute,
@@ -64,6 +65,8 @@ def register_unpack(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dst", metavar="DST")
     p.add_argument("out", metavar="OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace files OUT already holds at the dataset's paths (refused by default, exit 2)")
     _store_flags(p)
     p.set_defaults(func=run_unpack)
 
@@ -144,6 +147,6 @@ def run_unpack(args: argparse.Namespace) -> int:
 
     progress = Progress("unpack", json_lines=args.json, quiet=args.quiet)
     dst, out = open_location(args.dst, _stores(args)), open_location(args.out, _stores(args))
-    report = unpack(dst, out, local_root(args.out), progress, args.concurrency)
+    report = unpack(dst, out, local_root(args.out), progress, args.concurrency, overwrite=args.overwrite)
     progress.finish(report, f"unpacked {report['files']} files ({size(report['bytes'])}) into {args.out}")
     return 0

@@ -15,7 +15,7 @@ from cachefs.store import ObjectStore
 
 from .fetch import fetch_ranges, fetch_source, in_order
 from .fragment import WorkerMarker, fragment_bytes, read_fragment
-from .layout import fragment_path, idx_path, marker_path
+from .layout import PACK_DIRS, fragment_path, idx_path, marker_path
 from .options import PackOptions
 from .plan import Plan, ShardPlan, make_plan
 from .progress import Progress
@@ -33,11 +33,24 @@ def plan_pack(src: ObjectStore, dst: ObjectStore, src_root: str | None, options:
     if manifest is None:
         if options.append:
             raise UsageError("--append: the destination holds no packed dataset yet (pack it first)")
+        foreign = _foreign_object(dst)
+        if foreign is not None:
+            raise UsageError(f"the destination already holds other objects (e.g. {foreign!r}): pack into an empty "
+                             "place (a mount of it would show only the packed dataset, hiding them)")
         return make_plan(files, shard_size=options.shard_size)
     if not options.append:
         raise UsageError("the destination already holds a packed dataset: use --append to add changes, "
                          "or pack into another place")
     return _append_plan(files, manifest, open_index(dst)[1], options)
+
+
+def _foreign_object(dst: ObjectStore) -> str | None:
+    """The first object below DST that no pack writes; None when DST is empty or holds only the
+    shards and work files of a pack not finished yet (a rerun resumes it; other workers' parts)."""
+    for info in dst.list_all(""):
+        if not info.path.startswith(PACK_DIRS):
+            return info.path
+    return None
 
 
 def _append_plan(files: list[SourceFile], manifest: Manifest, index: PackedIndex, options: PackOptions) -> Plan:

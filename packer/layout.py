@@ -3,6 +3,8 @@
 from cachefs.packfmt.sidecar import idx_name
 
 WORK = "work"
+#: the directories a pack writes below DST before its manifest.json (written last)
+PACK_DIRS = ("shards/", "index/", f"{WORK}/")
 
 
 def work_dir(generation: int) -> str:

@@ -350,6 +350,44 @@ def test_a_missing_or_empty_source_is_refused_and_publishes_nothing(tmp_path, s3
     assert unpack(tmp_path / "dst", tmp_path / "out") == 0
     assert read_tree(tmp_path / "out") == files      # the dataset is untouched
 
+def test_pack_refuses_a_destination_holding_other_objects(tmp_path, capsys):
+    """A DST that already holds a user's objects: exit 2 and nothing written, since a mount of a packed
+    DST shows only the packed dataset (those objects would vanish from view)."""
+    make_tree(tmp_path / "src", n=5)
+    write_tree(tmp_path / "dst", {"results/run1.csv": b"precious"})
+    assert pack(tmp_path / "src", tmp_path / "dst") == 2
+    assert "already holds other objects" in capsys.readouterr().err
+    assert_nothing_published(tmp_path / "dst")
+    assert read_tree(tmp_path / "dst") == {"results/run1.csv": b"precious"}
+
+
+def test_unpack_never_replaces_a_file_unless_told_to(tmp_path, s3_server, bucket, capsys):
+    """OUT holding a file at one of the dataset's paths: exit 2 before anything is written; the user's
+    file is kept. Files at other paths are no conflict; --overwrite replaces. The same on S3."""
+    files = make_tree(tmp_path / "src", n=12)
+    assert pack(tmp_path / "src", tmp_path / "dst") == 0
+    victim = sorted(files)[3]
+    write_tree(tmp_path / "out", {victim: b"the user's own file", "notes.txt": b"unrelated"})
+    capsys.readouterr()
+    assert unpack(tmp_path / "dst", tmp_path / "out") == 2
+    assert f"e.g. {victim!r}" in capsys.readouterr().err
+    assert read_tree(tmp_path / "out") == {victim: b"the user's own file", "notes.txt": b"unrelated"}
+    write_tree(tmp_path / "out2", {"notes.txt": b"unrelated"})
+    assert unpack(tmp_path / "dst", tmp_path / "out2") == 0
+    assert read_tree(tmp_path / "out2") == {**files, "notes.txt": b"unrelated"}
+    assert unpack(tmp_path / "dst", tmp_path / "out", "--overwrite") == 0
+    assert read_tree(tmp_path / "out") == {**files, "notes.txt": b"unrelated"}
+
+    client = s3_client(s3_server.endpoint_url)
+    client.put_object(Bucket=bucket, Key=f"restored/{victim}", Body=b"on s3")
+    flags = ("--endpoint-url", s3_server.endpoint_url)
+    assert unpack(tmp_path / "dst", f"s3://{bucket}/restored", *flags) == 2
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="restored/")["Contents"]]
+    assert keys == [f"restored/{victim}"]
+    assert client.get_object(Bucket=bucket, Key=f"restored/{victim}")["Body"].read() == b"on s3"
+    assert unpack(tmp_path / "dst", f"s3://{bucket}/restored", *flags, "--overwrite") == 0
+    assert client.get_object(Bucket=bucket, Key=f"restored/{victim}")["Body"].read() == files[victim]
+
 def test_json_progress_lines_end_with_a_summary(tmp_path, capsys):
     files = make_tree(tmp_path / "src", n=20)
     assert main(["pack", "--json", str(tmp_path / "src"), str(tmp_path / "dst"), "--shard-size", "8K"]) == 0
