@@ -44,7 +44,8 @@ def register_pack(subparsers) -> None:
         "pack", help="pack many small files into TFRecord shards with a Parquet index",
         description="Pack every file below SRC into DST/shards/NNNNN.tfrecord with a Parquet index and "
         "DST/manifest.json (written last). SRC and DST are s3://bucket/prefix, any fsspec URL, or local "
-        "directories; DST must be empty (or hold an interrupted pack, which a rerun resumes). See docs/packer.md.", epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "directories; DST must be empty (or hold an interrupted pack, which a rerun resumes). "
+        "See docs/packer.md.", epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("locations", nargs="+", metavar="SRC DST", help="SRC DST (or DST alone with --merge/--verify)")
     p.add_argument("--shard-size", default=str(DEFAULT_SHARD_SIZE), help="target shard size (default 256M)")
     p.add_argument("--worker-index", type=int, default=None, help="this worker's index (0-based) of --worker-count")
