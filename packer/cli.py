@@ -146,6 +146,8 @@ def _verify(dst, progress: Progress, args: argparse.Namespace) -> int:
 def run_unpack(args: argparse.Namespace) -> int:
     from .unpack import unpack
 
+    if f"{to_url(args.out)}/".startswith(f"{to_url(args.dst)}/"):
+        raise UsageError("OUT must not be DST or inside it (a mount of DST shows only the packed dataset)")
     progress = Progress("unpack", json_lines=args.json, quiet=args.quiet)
     dst, out = open_location(args.dst, _stores(args)), open_location(args.out, _stores(args))
     report = unpack(dst, out, local_root(args.out), progress, args.concurrency, overwrite=args.overwrite)

@@ -377,6 +377,10 @@ def test_unpack_never_replaces_a_file_unless_told_to(tmp_path, s3_server, bucket
     assert read_tree(tmp_path / "out2") == {**files, "notes.txt": b"unrelated"}
     assert unpack(tmp_path / "dst", tmp_path / "out", "--overwrite") == 0
     assert read_tree(tmp_path / "out") == {**files, "notes.txt": b"unrelated"}
+    packed = read_tree(tmp_path / "dst")
+    for inside in (tmp_path / "dst", tmp_path / "dst" / "restored"):   # the packed view would hide them
+        assert unpack(tmp_path / "dst", inside, "--overwrite") == 2
+    assert read_tree(tmp_path / "dst") == packed
 
     client = s3_client(s3_server.endpoint_url)
     client.put_object(Bucket=bucket, Key=f"restored/{victim}", Body=b"on s3")
