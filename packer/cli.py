@@ -84,7 +84,7 @@ def _pack_options(args: argparse.Namespace) -> PackOptions:
         raise UsageError("--shard-size must be > 0")
     if (args.worker_index is None) != (args.worker_count is None):
         raise UsageError("give --worker-index and --worker-count together")
-    index, count = args.worker_index or 0, args.worker_count or 1
+    index, count = (0, 1) if args.worker_count is None else (args.worker_index, args.worker_count)
     if count < 1 or not 0 <= index < count:
         raise UsageError(f"--worker-index must be in 0..{count - 1} and --worker-count >= 1")
     return PackOptions(shard_size=shard_size, concurrency=args.concurrency, worker_index=index,
@@ -146,6 +146,8 @@ def _verify(dst, progress: Progress, args: argparse.Namespace) -> int:
 def run_unpack(args: argparse.Namespace) -> int:
     from .unpack import unpack
 
+    if args.concurrency < 1:
+        raise UsageError("--concurrency must be >= 1")
     if f"{to_url(args.out)}/".startswith(f"{to_url(args.dst)}/"):
         raise UsageError("OUT must not be DST or inside it (a mount of DST shows only the packed dataset)")
     progress = Progress("unpack", json_lines=args.json, quiet=args.quiet)

@@ -322,6 +322,8 @@ def test_usage_errors_and_an_already_packed_destination(tmp_path):
     make_tree(tmp_path / "src", n=5)
     assert pack(tmp_path / "src") == 2
     assert pack(tmp_path / "src", tmp_path / "dst", "--worker-index", "3", "--worker-count", "2") == 2
+    assert pack(tmp_path / "src", tmp_path / "dst", "--worker-index", "0", "--worker-count", "0") == 2
+    assert pack(tmp_path / "src", tmp_path / "dst", "--concurrency", "0") == 2
     assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "lots") == 2
     assert pack(tmp_path / "src", tmp_path / "dst", "--append") == 2
     assert pack(tmp_path / "src", tmp_path / "src/packed") == 2
@@ -329,6 +331,8 @@ def test_usage_errors_and_an_already_packed_destination(tmp_path):
     assert pack(tmp_path / "src", tmp_path / "dst") == 0
     assert pack(tmp_path / "src", tmp_path / "dst") == 2
     assert pack("--merge", tmp_path / "empty") == PackExit.INCOMPLETE
+    assert unpack(tmp_path / "dst", tmp_path / "out", "--concurrency", "0") == 2
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_or_empty_source_is_refused_and_publishes_nothing(tmp_path, s3_server, bucket, capsys):
