@@ -76,9 +76,18 @@ def _stores(args: argparse.Namespace) -> StoreOptions:
     return StoreOptions(endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
 
 
-def _pack_options(args: argparse.Namespace) -> PackOptions:
+def _check_shared_flags(args: argparse.Namespace) -> None:
+    """The flags every pack and unpack command takes (``_store_flags``)."""
     if args.concurrency < 1:
         raise UsageError("--concurrency must be >= 1")
+
+
+def _inside(inner: str, outer: str) -> bool:
+    """Location ``inner`` is ``outer`` or below it."""
+    return f"{to_url(inner)}/".startswith(f"{to_url(outer)}/")
+
+
+def _pack_options(args: argparse.Namespace) -> PackOptions:
     shard_size = parse_size(args.shard_size, "--shard-size")
     if shard_size < 1:
         raise UsageError("--shard-size must be > 0")
@@ -92,6 +101,7 @@ def _pack_options(args: argparse.Namespace) -> PackOptions:
 
 
 def run_pack(args: argparse.Namespace) -> int:
+    _check_shared_flags(args)
     progress = Progress("verify" if args.verify else "pack", json_lines=args.json, quiet=args.quiet)
     if args.merge or args.verify:
         if len(args.locations) != 1 or (args.merge and args.verify):
@@ -108,7 +118,7 @@ def _pack(args: argparse.Namespace, progress: Progress) -> int:
 
     options = _pack_options(args)
     src_arg, dst_arg = args.locations
-    if f"{to_url(dst_arg)}/".startswith(f"{to_url(src_arg)}/"):
+    if _inside(dst_arg, src_arg):
         raise UsageError("DST must not be SRC or inside it (the pack would list its own shards)")
     src, dst = open_location(src_arg, _stores(args)), open_location(dst_arg, _stores(args))
     plan = plan_pack(src, dst, local_root(src_arg), options)
@@ -146,9 +156,8 @@ def _verify(dst, progress: Progress, args: argparse.Namespace) -> int:
 def run_unpack(args: argparse.Namespace) -> int:
     from .unpack import unpack
 
-    if args.concurrency < 1:
-        raise UsageError("--concurrency must be >= 1")
-    if f"{to_url(args.out)}/".startswith(f"{to_url(args.dst)}/"):
+    _check_shared_flags(args)
+    if _inside(args.out, args.dst):
         raise UsageError("OUT must not be DST or inside it (a mount of DST shows only the packed dataset)")
     progress = Progress("unpack", json_lines=args.json, quiet=args.quiet)
     dst, out = open_location(args.dst, _stores(args)), open_location(args.out, _stores(args))

@@ -332,6 +332,7 @@ def test_usage_errors_and_an_already_packed_destination(tmp_path):
     assert pack(tmp_path / "src", tmp_path / "dst") == 2
     assert pack("--merge", tmp_path / "empty") == PackExit.INCOMPLETE
     assert unpack(tmp_path / "dst", tmp_path / "out", "--concurrency", "0") == 2
+    assert pack("--verify", tmp_path / "dst", "--concurrency", "0") == 2
     assert not (tmp_path / "out").exists()
 
 
