@@ -363,6 +363,82 @@ def test_a_cancelled_get_closes_its_connection(scripted):
     assert server.connections == 2
 
 
+def _until(predicate: Callable[[], bool], seconds: float = 5.0) -> bool:
+    """Poll ``predicate`` (real time, no trio) until true or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_get_sent_early_leaves_at_once_and_its_get_reads_the_answer(scripted):
+    server = scripted(lambda n, req: ok(req.split(b" ")[1]))     # the body names the target asked
+    aget = getter(server)
+    early = {"Range": "bytes=0-4", "If-Match": '"v1"'}
+
+    async def main() -> tuple:
+        first = (await aget.get("bkt", "a", {}))[1]              # leaves one idle connection
+        assert aget.send_early("bkt", "b", early)
+        assert aget.sent_at("bkt", "b", early) is not None
+        # no await since: the request is on the wire, and the server answers it by itself
+        left = _until(lambda: len(server.requests) == 2)
+        other = (await aget.get("bkt", "b", {}))[1]              # other headers: not the early GET
+        mine = (await aget.get("bkt", "b", early))[1]
+        return first, left, other, mine, aget.sent_at("bkt", "b", early)
+    first, left, other, mine, after = trio.run(main)
+    assert left, "the early GET had not reached the server before its get() was called"
+    assert (first, other, mine) == (b"/bkt/a", b"/bkt/b", b"/bkt/b")
+    assert len(server.requests) == 3 and server.connections == 2    # the early answer read, not asked again
+    assert b"range: bytes=0-4" in server.requests[1].lower()
+    assert after is None
+
+
+def test_no_idle_connection_no_early_get(scripted):
+    server = scripted(lambda n, req: ok(b"x"))
+    aget = getter(server)
+
+    async def main() -> tuple[bool, bytes]:
+        sent = aget.send_early("bkt", "k", {})
+        return sent, (await aget.get("bkt", "k", {}))[1]
+    assert trio.run(main) == (False, b"x")
+    assert len(server.requests) == 1
+
+
+def test_an_early_get_on_a_connection_closed_while_idle_is_sent_again(scripted):
+    server = scripted(lambda n, req: ok(b"y" * 100) + b"<close>")    # every connection answers once
+    aget = getter(server)
+
+    async def main() -> list:
+        out = [(await aget.get("bkt", "k", {}))[1]]
+        _until(lambda: server.connections == 1 and not server._threads[-1].is_alive())
+        aget.send_early("bkt", "k", {})      # may be sent into the closed connection
+        out.append((await aget.get("bkt", "k", {}))[1])
+        return out
+    assert trio.run(main) == [b"y" * 100] * 2
+    assert server.connections == 2
+
+
+def test_unasked_early_gets_are_dropped_past_max_idle(scripted):
+    server = scripted(lambda n, req: ok(req.split(b" ")[1]))
+    aget = getter(server)
+    aget._max_idle = 3
+
+    async def main() -> tuple:
+        async with trio.open_nursery() as nursery:        # three idle connections
+            for key in "abc":
+                nursery.start_soon(aget.get, "bkt", key, {})
+        aget._max_idle = 2
+        sent = [aget.send_early("bkt", key, {}) for key in "xyz"]
+        waiting = [aget.sent_at("bkt", key, {}) is not None for key in "xyz"]
+        return sent, waiting, [(await aget.get("bkt", key, {}))[1] for key in "xyz"]
+    sent, waiting, bodies = trio.run(main)
+    assert sent == [True, True, True] and waiting == [False, True, True]    # the oldest dropped
+    assert bodies == [b"/bkt/x", b"/bkt/y", b"/bkt/z"]       # x asked again, y and z read
+    assert sorted(r.split(b" ")[1] for r in server.requests[3:]) == [b"/bkt/x", b"/bkt/x", b"/bkt/y", b"/bkt/z"]
+
+
 def self_signed(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and its key, made with cryptography (a moto dependency)."""
     from cryptography import x509
@@ -557,3 +633,20 @@ def read_call(store: S3Store, call: tuple) -> bytes | Exception:
         return store.get(*call)
     except Exception as exc:      # noqa: BLE001 - the test inspects it
         return exc
+
+
+def test_start_get_is_a_hint_that_never_raises_and_sends_nothing_bad(scripted):
+    server = scripted(lambda n, req: ok(b"0123456789"))
+    store = scripted_store(server, Metrics())
+
+    async def main() -> list:
+        await store.get_async("k", 0, 10, "v1", 10, limiter=trio.CapacityLimiter(1))   # one idle connection
+        store.start_get("k", 0, 4, 'v1"\r\nX-Injected: 1', 10)     # refused: nothing sent, nothing raised
+        store.start_get("k", 5, 3, "v1", 10)                          # a bad range: the same
+        store.start_get("k", 4, 4, "v1", 10)                          # empty: no request at all
+        return [len(server.requests), await store.get_async("k", 0, 10, "v1", 10, limiter=trio.CapacityLimiter(1))]
+    try:
+        assert trio.run(main) == [1, b"0123456789"]
+    finally:
+        store.close()
+    assert len(server.requests) == 2 and server.connections == 1

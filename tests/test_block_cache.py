@@ -48,6 +48,7 @@ class CountingStore(ObjectStore):
         self.identity = inner.identity
         self.calls: Counter[str] = Counter()
         self.gets: list[tuple[str, int, int]] = []          # (path, start, end) of every get
+        self.started: list[tuple[str, int, int]] = []       # (path, start, end) of every start_get hint
         self.failures: dict[str, StoreError] = {}
         self.gates: list[Gate] = []
         self._lock = threading.Lock()
@@ -87,6 +88,10 @@ class CountingStore(ObjectStore):
     def head(self, path):
         self._enter("head", path)
         return self.inner.head(path)
+
+    def start_get(self, path, start, end, etag, size):
+        self.started.append((path, start, end))
+        self.inner.start_get(path, start, end, etag, size)
 
     def get(self, path, start, end, etag, size):
         self._enter("get", path, start, end)
@@ -262,7 +267,9 @@ def test_a_lookup_readahead_is_in_flight_at_once_and_the_open_joins_it(bucket_me
             try:
                 cache.readahead_file(f)
                 assert cache._flights.in_flight(cache.key(f, 0))      # no checkpoint in between
+                assert store.started == [("f", 0, f.size)]             # the store may send the GET now
                 cache.readahead_file(f)                                # a second lookup: nothing new
+                assert store.started == [("f", 0, f.size)]
                 results = []
 
                 async def opener():

@@ -83,6 +83,11 @@ class ObjectStore(ABC):
         worker thread; a store that can GET without a thread overrides this."""
         return await trio.to_thread.run_sync(self.get, path, start, end, etag, size, limiter=limiter)
 
+    def start_get(self, path: str, start: int, end: int, etag: str, size: int) -> None:  # noqa: B027 (a hint: doing nothing is right)
+        """A hint, from the trio thread, with no await: ``get_async`` of this range follows soon
+        (its task is started). A store may send the request now and let that call read the
+        answer; this one does nothing."""
+
     # --- writes (write-back). Each is blocking, retried like reads, and idempotent where S3 is.
     # An object appears only complete: ``put`` is one request; a multipart upload shows nothing
     # until ``finish_upload``. Stores that cannot write raise StoreError.

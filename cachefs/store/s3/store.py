@@ -301,6 +301,18 @@ class S3Store(ObjectStore):
         self._metrics.store_bytes.inc(len(data))
         return data
 
+    def start_get(self, path: str, start: int, end: int, etag: str, size: int) -> None:
+        """Send the GET now on an idle connection (``AsyncGetter.send_early``); ``get_async``
+        of the same range reads its answer. Nothing when GETs go through threads."""
+        if self._async_getter is None or start == end:
+            return
+        try:
+            key, want = self._want(path, start, end, etag, size)
+            headers = get_headers(want)
+        except (ValueError, BadResponse):     # get_async raises it, at the caller that reports errors
+            return
+        self._async_getter.send_early(self.bucket, key, headers)
+
     def _want(self, path: str, start: int, end: int, etag: str, size: int) -> tuple[str, Want]:
         if not 0 <= start <= end <= size:
             raise ValueError(f"bad range [{start}, {end}) for an object of {size} bytes")
@@ -348,10 +360,11 @@ class S3Store(ObjectStore):
         return data
 
     async def _get_once_async(self, key: str, want: Want) -> bytes:
-        started, status = time.monotonic(), "error"
+        headers = get_headers(want)
+        # timed from when the request left, which start_get may have made earlier
+        started, status = self._async_getter.sent_at(self.bucket, key, headers) or time.monotonic(), "error"
         try:
-            response, body = await self._async_getter.get(self.bucket, key, get_headers(want),
-                                                          functools.partial(window, want))
+            response, body = await self._async_getter.get(self.bucket, key, headers, functools.partial(window, want))
             status = _status_of(response)
         except bx.ClientError as exc:
             status = _status_of(exc.response)
