@@ -118,7 +118,7 @@ class MountConfig:
     cache_direct_io: bool = field(default=True, metadata={
         "help": "write disk-tier files with O_DIRECT, not through the page cache (buffered where the "
                 "file system refuses it)"})
-    fill_workers: int = field(default=4, metadata={"help": "threads writing the disk tier"})
+    fill_workers: int = field(default=4, metadata={"help": "most threads writing the disk tier for readers (one while few fills wait, one more per 8 MiB queued)"})
     allow_other: bool = field(default=False, metadata={"help": "let other users (pods) access the mount"})
     uid: int | None = field(default=None, metadata={"help": "owner of all files (default: the mounter)"})
     gid: int | None = field(default=None, metadata={"help": "group of all files (default: the mounter)"})

@@ -643,6 +643,53 @@ def test_fill_workers_run_in_threads_and_wait_for_old_unlinks(tmp_path, monkeypa
     assert block_file(tmp_path, key(3)).exists()
 
 
+def test_one_writer_while_fills_are_few_more_as_the_queue_grows(tmp_path):
+    """Reader fills take one writer thread while little is queued (small files), and up to
+    fill_workers when the queued bytes grow (a large file read cold): writers beside each other
+    cost the trio thread CPU and GIL time for nothing when one keeps up."""
+    from cachefs.tiers.disk.tier import WRITER_SCALE
+    big = 2 * WRITER_SCALE // 5                     # five of them: two writers' worth queued
+    tier = make_tier(tmp_path, capacity=256 << 20, fill_workers=3)
+    running, most = [0], []
+    lock = threading.Lock()
+    real_write = tier._write_file
+
+    def write(*args):
+        with lock:
+            running[0] += 1
+            most.append(running[0])
+        try:
+            time.sleep(0.02)
+            return real_write(*args)
+        finally:
+            with lock:
+                running[0] -= 1
+    tier._write_file = write
+
+    async def body():
+        for i in range(20):                          # 20 small fills queued at once
+            assert tier.start_fill(key(i), blob(i))
+        await tier.wait_idle()
+        small = max(most)
+        most.clear()
+        for i in range(20, 32):                      # 12 large ones
+            assert tier.start_fill(key(i), random.Random(i).randbytes(big))
+        await tier.wait_idle()
+        large = max(most)
+        most.clear()
+        assert tier.start_fill(key(40), blob(40))    # back to one writer
+        await tier.wait_idle()
+        return small, large, max(most)
+    got = []
+    serve(tier, lambda: _keep(got, body()))
+    assert got == [(1, 3, 1)]
+    assert all(tier.contains(key(i)) for i in [*range(32), 40])
+
+
+async def _keep(out: list, coro) -> None:
+    out.append(await coro)
+
+
 # --- health -------------------------------------------------------------------------------
 
 def _failing(*args, **kwargs):
