@@ -262,10 +262,10 @@ class DiskTier:
         """One writer thread, plus one for every WRITER_SCALE bytes of queued and running fills, up
         to fill_workers. Writers beside each other contend for the GIL and the CPUs with the trio
         thread: in a cold epoch of small files (fills of 110 KiB that rarely queue), one writer
-        against four gave 1.02-1.08x boto3 against 0.95-1.00x, at 1.4-1.5 ms of daemon CPU per file
+        against four gave 1.02-1.08x boto3 against 0.94-1.00x, at 1.4-1.5 ms of daemon CPU per file
         against 1.8; a cold 1 GiB file read at 400 MB/s needs more than one writer (one dropped
         30% of its fills, queue_full)."""
-        want = min(self._fill_workers, 1 + self._pending_bytes // WRITER_SCALE)
+        want = max(1, min(self._fill_workers, 1 + self._pending_bytes // WRITER_SCALE))
         if self._limiter.total_tokens != want:
             self._limiter.total_tokens = want
 
