@@ -182,6 +182,11 @@ class _Early(NamedTuple):
     sent: float
 
 
+def _early_name(target: str, headers: dict[str, str]) -> tuple:
+    """What an early GET is found by: its target and headers (an If-Match or Range differs)."""
+    return (target, *headers.items())
+
+
 class _Stale(Exception):
     """A reused connection ended before the first response byte."""
 
@@ -219,7 +224,7 @@ class AsyncGetter:
         (see ``answer.window``) may ask to read only part of a 2xx body: the connection is then closed."""
         target = self.target(bucket, key)
         self._this_run()
-        early = self._early.pop((target, *headers.items()), None) if self._early else None
+        early = self._early.pop(_early_name(target, headers), None) if self._early else None
         if early is not None:
             try:
                 return await self._exchange(early.conn, None, target, window)
@@ -251,11 +256,9 @@ class AsyncGetter:
         past ``max_idle`` of them waiting, and at ``close``."""
         if self._https:
             return False
-        conn = self._take()
+        self._this_run()
+        conn = self._take()           # a plain SocketStream (no TLS)
         if conn is None:
-            return False
-        if not isinstance(conn.stream, trio.SocketStream):
-            self._idle.append(conn)
             return False
         target = self.target(bucket, key)
         request = self._signed(target, headers)
@@ -267,7 +270,7 @@ class AsyncGetter:
             conn.close()
             return False
         conn.received = 0
-        name = (target, *headers.items())
+        name = _early_name(target, headers)
         old = self._early.pop(name, None)
         if old is not None:
             old.conn.close()
@@ -278,7 +281,7 @@ class AsyncGetter:
 
     def sent_at(self, bucket: str, key: str, headers: dict[str, str]) -> float | None:
         """``time.monotonic()`` when this GET was sent early and not yet answered, else None."""
-        early = self._early.get((self.target(bucket, key), *headers.items())) if self._early else None
+        early = self._early.get(_early_name(self.target(bucket, key), headers)) if self._early else None
         return early.sent if early is not None else None
 
     def close(self) -> None:
@@ -465,7 +468,7 @@ class AsyncGetter:
             self._run = run
 
     def _take(self) -> _Connection | None:
-        self._this_run()
+        """An idle connection of this run (callers check the run first: ``_this_run``), or None."""
         now = time.monotonic()
         while self._idle and now - self._idle[0].idle_since > _IDLE_MAX_S:     # oldest first
             self._idle.pop(0).close()
