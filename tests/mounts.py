@@ -144,6 +144,14 @@ def public_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    """Poll ``predicate`` (real time) until it is true; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
 def put_tree(client, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from mounts import put_tree
+from mounts import put_tree, wait_for
 
 from cachefs.demo.local_s3 import s3_client
 
@@ -58,14 +58,6 @@ def metric(port: int, series: str) -> float:
 def fuse_reads(port: int) -> float:
     """READ requests the daemon answered so far."""
     return metric(port, 'cachefs_fuse_operations_total{op="read"}')
-
-
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    import time
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def tree_of(root: Path) -> dict[str, bytes]:
