@@ -35,6 +35,11 @@ MiB = 1 << 20
 BUCKET, SRC, PACKED, COPY = "bench", "imagenet", "packed", "copy"
 VERIFY_EVERY = 10
 STEPS = ("local", "boto3", "pack", "loader", "packed_mount", "unpacked_mount", "peers")
+# The DataLoader rows' batch size: the PyTorch ImageNet example's loader config (DESIGN.md §3, batch
+# 128, 8 workers). Training code takes batches; one sample per item (--batch-size 0) measures
+# DataLoader's own per-item cost (its queues and profiler scope in the training process) as much as
+# the dataset's.
+BATCH = 128
 AGAIN = ", again (after the rows it is compared with)"
 
 
@@ -46,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-ms", type=float, default=10.0, help="proxy delay per request")
     p.add_argument("--readers", type=int, default=8, help="boto3 threads and mount reader processes")
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers (loader and peer rows)")
+    p.add_argument("--batch-size", type=int, default=BATCH,
+                   help=f"DataLoader batch size of the loader, local-disk and peer rows, batches collated as "
+                        f"lists of raw samples (default {BATCH}); 0: batch_size=None, one sample per item")
     p.add_argument("--pack-concurrency", type=int, default=32,
                    help="`cachefs pack --concurrency` and the boto3 copy's threads (default 32)")
     p.add_argument("--shard-size", default="256M", help="`cachefs pack --shard-size` (default 256M)")
@@ -120,7 +128,8 @@ class Bench:
         with self.meter() as cpu:
             result = packed_rows.loader_epoch(f"local disk, DataLoader {self.args.workers} workers"
                                               + (AGAIN if again else ""), ds,
-                                              self.entries, self.args.workers, self.args.seed)
+                                              self.entries, self.args.workers, self.args.seed,
+                                              self.args.batch_size)
         self.record("local_loader" + ("_again" if again else ""), result, cpu)
 
     def boto3_rows(self, endpoint_url: str, again: bool = False) -> None:
@@ -175,7 +184,8 @@ class Bench:
                 ds = PackedIterableDataset(root, seed=self.args.seed)
                 try:
                     with self.meter([mnt.pid]) as cpu:
-                        result = packed_rows.loader_epoch(name, ds, self.entries, self.args.workers)
+                        result = packed_rows.loader_epoch(name, ds, self.entries, self.args.workers,
+                                                          batch_size=self.args.batch_size)
                 finally:
                     ds.close()
                 fds = (mnt.status().get("loader_fds") or {}).get("served", 0)
@@ -219,7 +229,7 @@ class Bench:
     def peer_rows(self, endpoint_url: str, direct_url: str) -> None:
         job = {"endpoint_url": endpoint_url, "direct_url": direct_url, "bucket": BUCKET, "src_prefix": SRC,
                "root": str(self.root), "files": [[e.path, e.size] for e in self.entries],
-               "workers": self.args.workers, "seed": self.args.seed,
+               "workers": self.args.workers, "batch_size": self.args.batch_size, "seed": self.args.seed,
                "store_pids": [pid for pid in self.store_pids if pid]}   # metered in the peer's process
         total = sum(e.size for e in self.entries)
         for peer in self.args.peers:
@@ -345,7 +355,8 @@ def describe(args: argparse.Namespace, entries: list[dataset.Entry], server: str
     mean = sum(e.size for e in entries) / max(1, len(entries)) / 1024
     import torch
     return (f"cachefs packed benchmark: {len(entries)} files (mean {mean:.0f} KiB); {server} behind a "
-            f"{args.latency_ms:g} ms proxy; {args.readers} readers, {args.workers} DataLoader workers, pack "
+            f"{args.latency_ms:g} ms proxy; {args.readers} readers, {args.workers} DataLoader workers "
+            f"(batch {args.batch_size or 'None'}), pack "
             f"concurrency {args.pack_concurrency}, shard size {args.shard_size}; torch {torch.__version__}; "
             f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, kernel {platform.release()}")
 

@@ -10,8 +10,9 @@ second process. Each prints one JSON line: version and converter seconds, or epo
 bytes, size mismatches, missing paths. Imports only the standard library, torch, boto3 and the peer, none of cachefs.
 
 JOB.json: {"endpoint_url", "bucket", "src_prefix", "dst_prefix", "root", "files": [[path, size], ...],
-"workers", "seed", "scratch"}; ``endpoint_url`` is the latency proxy: the converters' uploads and
-the epochs' reads both pass it, as `cachefs pack`'s GETs and PUTs do.
+"workers", "batch_size" (0: one sample per DataLoader item), "seed", "scratch"}; ``endpoint_url``
+is the latency proxy: the converters' uploads and the epochs' reads both pass it, as `cachefs
+pack`'s GETs and PUTs do.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def streaming_dataset(job: dict, cache: Path):
     from streaming.base.util import clean_stale_shared_memory
     clean_stale_shared_memory()
     return StreamingDataset(remote=s3_url(job), local=str(cache), shuffle=True, shuffle_seed=job["seed"],
-                            batch_size=1)
+                            batch_size=job.get("batch_size") or 1)   # MDS partitions by the DataLoader's batch
 
 
 def streaming_sample(item) -> tuple[str, bytes]:
@@ -221,10 +222,15 @@ def epoch(job: dict, peer: str, dataset) -> dict:
     # to spawn for its own workers; the epoch must not inherit that)
     # collate_fn: each peer's sample as (path, bytes) in the worker. The default (default_convert) would
     # turn a memoryview (LitData's bytes) into a list of 110,000 ints, one per byte.
-    loader = DataLoader(dataset, batch_size=None, num_workers=job["workers"], multiprocessing_context="fork",
-                        collate_fn=lambda item: _raw(*sample(item)), **kwargs)
+    # batch_size > 0: batches collated as lists of (path, bytes), as the cachefs rows take them.
+    batch = job.get("batch_size") or 0
+    if batch > 0:
+        kwargs.update(batch_size=batch, collate_fn=lambda items: [_raw(*sample(i)) for i in items])
+    else:
+        kwargs.update(batch_size=None, collate_fn=lambda item: [_raw(*sample(item))])
+    loader = DataLoader(dataset, num_workers=job["workers"], multiprocessing_context="fork", **kwargs)
     seen, files, nbytes, bad = set(), 0, 0, 0
-    for path, data in loader:
+    for path, data in (one for items in loader for one in items):
         path = path.removeprefix(prefix)
         files += 1
         nbytes += len(data)

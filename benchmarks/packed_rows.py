@@ -128,9 +128,12 @@ class FileDataset:
             return path, fh.read()
 
 
-def loader_epoch(name: str, dataset, entries: list[Entry], workers: int, seed: int = 0) -> Result:
-    """One epoch of a DataLoader (``workers`` workers, batch_size=None) over ``dataset``; the
-    clock covers creating the loader, forking its workers and reading every sample."""
+def loader_epoch(name: str, dataset, entries: list[Entry], workers: int, seed: int = 0,
+                 batch_size: int = 0) -> Result:
+    """One epoch of a DataLoader (``workers`` workers) over ``dataset``; the clock covers creating
+    the loader, forking its workers and reading every sample. ``batch_size`` > 0: batches of that
+    many samples, each a list of (path, bytes) (the way training code takes them; the collate only
+    lists them, raw bytes); 0: ``batch_size=None``, one sample per item."""
     import torch
     from torch.utils.data import DataLoader, IterableDataset
     sizes = {e.path: e.size for e in entries}
@@ -142,9 +145,12 @@ def loader_epoch(name: str, dataset, entries: list[Entry], workers: int, seed: i
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*worker processes in total.*")
-            loader = DataLoader(dataset, batch_size=None, num_workers=workers, **kwargs)
-            batches = iter(loader)
-        for path, data in batches:
+            if batch_size > 0:
+                kwargs.update(batch_size=batch_size, collate_fn=list)
+            else:
+                kwargs.update(batch_size=None)
+            items = iter(DataLoader(dataset, num_workers=workers, **kwargs))
+        for path, data in (one for batch in items for one in batch) if batch_size > 0 else items:
             tally.files += 1
             tally.bytes += len(data)
             seen.add(path)

@@ -82,16 +82,20 @@ def test_loader_epoch_counts_every_file_once_and_flags_wrong_sizes(tmp_path):
     assert run["returncode"] == 0, run["stderr"]
     total = sum(e.size for e in entries)
 
-    with PackedIterableDataset(dst, seed=1) as ds:
-        packed = packed_rows.loader_epoch("packed", ds, entries, workers=2)
-    local = packed_rows.loader_epoch("local", packed_rows.FileDataset(src, [e.path for e in entries]), entries, 2)
-    for result in (packed, local):
+    results = []
+    for batch in (0, 5):          # one sample per item, and batches (5 does not divide 24 or a worker's 12)
+        with PackedIterableDataset(dst, seed=1) as ds:
+            results.append(packed_rows.loader_epoch("packed", ds, entries, workers=2, batch_size=batch))
+        results.append(packed_rows.loader_epoch("local", packed_rows.FileDataset(src, [e.path for e in entries]),
+                                                entries, 2, batch_size=batch))
+    for result in results:
         assert (result.tally.files, result.tally.bytes, result.ok) == (len(entries), total, True)
 
     wrong = [Entry(e.path, e.size + (i == 0), "") for i, e in enumerate(entries)] + [Entry("never/there", 1, "")]
-    with PackedIterableDataset(dst, seed=1) as ds:
-        bad = packed_rows.loader_epoch("packed", ds, wrong, workers=2)
-    assert bad.tally.bad_size == 1 and bad.tally.errors == 1 and not bad.ok   # one wrong size, one missing
+    for batch in (0, 5):
+        with PackedIterableDataset(dst, seed=1) as ds:
+            bad = packed_rows.loader_epoch("packed", ds, wrong, workers=2, batch_size=batch)
+        assert bad.tally.bad_size == 1 and bad.tally.errors == 1 and not bad.ok   # one wrong size, one missing
 
 
 @pytest.mark.fuse
@@ -204,3 +208,18 @@ def test_a_failed_peer_is_reported_by_its_exception_first():
     assert error.startswith("litdata.exceptions.ChunkWaitTimeoutError: Timed out after 120s")
     assert len(error) <= 303 and error.endswith("...")
     assert packed_rows._last_error("") == "failed"
+
+
+def test_a_peer_epoch_counts_every_sample_once_batched_or_not():
+    """packed_peers.epoch (run in each peer's venv): every sample of a map-style dataset counted
+    once, its prefix stripped, with one sample per item and in batches, and a short one flagged."""
+    from benchmarks import packed_peers
+    rng = random.Random(5)
+    files = [[f"c{i % 3}/f{i:02d}", 100 + i] for i in range(23)]
+    samples = [(f"src/{path}", rng.randbytes(size)) for path, size in files]
+    for batch in (0, 4):
+        job = {"files": files, "src_prefix": "src", "seed": 2, "workers": 2, "batch_size": batch}
+        assert packed_peers.epoch(job, "s3torch", samples) == {"files": 23, "bytes": sum(s for _, s in files),
+                                                               "bad_size": 0, "missing": 0}
+        short = [*samples[:-1], (samples[-1][0], b"x")]
+        assert packed_peers.epoch(job, "s3torch", short)["bad_size"] == 1

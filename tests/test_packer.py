@@ -23,6 +23,7 @@ from cachefs.store import open_store
 from packer.engine import Worker, plan_pack
 from packer.options import PackOptions
 from packer.progress import Progress
+from packer.sink import ShardSink
 from packer.source import check_names
 from packer.stores import local_root, to_url
 from tests.mounts import interruptible, put_tree
@@ -109,9 +110,55 @@ def test_s3_pack_with_multipart_shards_and_unpack(s3_server, bucket, tmp_path):
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="packed/")["Contents"]}
     assert {"packed/manifest.json", "packed/shards/00000.tfrecord", "packed/shards/00000.tfrecord.idx"} <= keys
     assert not any(k.startswith("packed/work/") for k in keys)
+    # 8 MiB parts exactly, records cut across them (the first holds 2 2/3 files): a mount's 4 MiB
+    # block never spans two parts
+    first = client.head_object(Bucket=bucket, Key="packed/shards/00000.tfrecord", PartNumber=1)
+    assert first["ContentLength"] == 8 << 20 and first["PartsCount"] >= 2
     assert pack("--verify", f"s3://{bucket}/packed", *flags) == 0
     assert unpack(f"s3://{bucket}/packed", tmp_path / "out", *flags) == 0
     assert read_tree(tmp_path / "out") == files
+
+
+class PartsStore:
+    """Records the multipart calls ShardSink makes (a unit test: the S3 test above checks a real server)."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.put_body: bytes | None = None
+
+    def start_upload(self, path):
+        return "upload-1"
+
+    def upload_part(self, path, upload, number, data):
+        assert number == len(self.parts) + 1
+        self.parts.append(data)
+        return f"etag-{number}"
+
+    def finish_upload(self, path, upload, parts, size):
+        assert [n for n, _ in parts] == list(range(1, len(self.parts) + 1))
+        return size
+
+    def put(self, path, data):
+        self.put_body = data
+        return len(data)
+
+
+def test_a_shard_streams_out_in_parts_of_exactly_the_part_size():
+    rng = random.Random(4)
+    records = [rng.randbytes(n) for n in (700, 3000, 250, 9000, 1, 2500)]   # one record spans 3 parts
+    store = PartsStore()
+    sink = ShardSink(store, "shards/00000.tfrecord", 1000)
+    for record in records:
+        sink.write(record)
+    assert sink.finish() == sum(map(len, records))
+    assert [len(p) for p in store.parts] == [1000] * 15 + [451]
+    assert b"".join(store.parts) == b"".join(records) and store.put_body is None
+
+    small = PartsStore()
+    sink = ShardSink(small, "shards/00001.tfrecord", 1000)
+    sink.write(b"x" * 999)
+    sink.finish()
+    assert small.parts == [] and small.put_body == b"x" * 999      # under a part: one PUT
 
 
 class Interrupting:
