@@ -206,6 +206,8 @@ def test_the_first_read_of_a_shard_warms_all_of_it(s3_server, proxied, mount_fac
     assert (mnt / first).read_bytes() == files[first]           # one file of shard 1 ...
     state = wait_shard_warms(mnt, 1)
     assert state["shards"] == 1 and state["bytes"] == sizes[1]
+    # in the memory tier too: readers are reading that shard now (not read back from disk)
+    assert mnt.status()["tiers"]["memory"]["blocks"] == -(-sizes[1] // BLOCK)
     shown = cachefs("status", str(mnt.path))
     assert shown.returncode == 0 and "  shards  1 read, " in shown.stdout, shown.stdout
     assert mnt.requests("get") - gets == -(-sizes[1] // BLOCK)    # ... fetched all of it, each block once

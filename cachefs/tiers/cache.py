@@ -307,13 +307,17 @@ class Tiers:
             out.append(BlockState(key.index, length, self.memory.contains(key), on_disk, cost))
         return out
 
-    async def warm(self, f: FileVersion, index: int, limiter: trio.CapacityLimiter) -> tuple[int, bool]:
+    async def warm(self, f: FileVersion, index: int, limiter: trio.CapacityLimiter,
+                   keep: bool = False) -> tuple[int, bool]:
         """Put block ``index`` of ``f`` in the disk tier: (bytes fetched, cached now).
 
         The GET runs under the warm job's ``limiter`` and joins (or leads) the block's single
         flight, so a reader wanting it meanwhile waits for this GET instead of issuing a second;
-        the write goes straight to the disk tier (never the memory tier) and is awaited:
-        back-pressure instead of a dropped fill. A changed object raises VersionChanged (If-Match)."""
+        the write goes to the disk tier and is awaited: back-pressure instead of a dropped fill.
+        A block fetched goes to the memory tier too only when ``keep`` (a shard warm: readers are
+        reading that shard now, and serve its files from memory instead of reading back the
+        cache file just written); a `cachefs warmup` ahead of a run leaves the memory tier to
+        what readers use. A changed object raises VersionChanged (If-Match)."""
         key = self.key(f, index)
         if self.disk is None:
             return 0, False
@@ -326,6 +330,8 @@ class Tiers:
         if data is None:
             data = await self._flights.do(key, lambda: self._get(f, key, limiter))
             fetched = len(data)
+            if keep:
+                self.memory.put(key, data)
         return fetched, await self.disk.warm(key, data)
 
     def evict(self, f: FileVersion) -> tuple[int, int]:

@@ -87,7 +87,11 @@ class ShardWatcher:
     sooner or later: one job fetches its blocks at link speed in parallel, where readers alone
     would fetch one block per shuffled file plus a readahead window. At most ``parallel`` shard
     warms run at once (in the order the shards were first read), and the bytes they may fetch
-    are bounded by ``budget`` (beyond it, reads fall back to block readahead)."""
+    are bounded by ``budget`` (beyond it, reads fall back to block readahead). The blocks it
+    fetches go to the memory tier as well as the disk tier, since readers are reading the shard
+    now: a packed cold epoch (10,000 x 110 KiB, 8 readers) ran at 2,190-2,303 files/s against
+    1,912-1,965 when they went to the disk tier alone and every file was read back from a cache
+    file just written (0.34 against 0.42 ms of daemon CPU per file)."""
 
     def __init__(self, warmer, budget: int, *, parallel: int = 3, concurrency: int = 8) -> None:
         self.warmer = warmer
@@ -124,7 +128,8 @@ class ShardWatcher:
     async def _warm(self, path: str, size: int) -> None:
         try:
             job = self.warmer.start(WarmSpec(paths=(f"{PACKED_DIR}/{path}",)), concurrency=self.concurrency,
-                                    detach=True, label=f"shard warm of {path}", budget=size + (size >> 4))
+                                    detach=True, label=f"shard warm of {path}", budget=size + (size >> 4),
+                                    keep=True)
             await job.done.wait()
             if job.state != "done":
                 log.info("shard warm of %s: %s%s", path, job.state, f" ({job.error})" if job.error else "")

@@ -174,8 +174,9 @@ class Warmer:
     # ---- jobs ------------------------------------------------------------------------------
     def start(self, spec: WarmSpec, *, concurrency: int = 32, bandwidth: float | None = None,
               force: bool = False, pin: bool = False, detach: bool = False, label: str = "",
-              budget: int | None = None) -> WarmJob:
-        """The running job for ``spec`` (joined), or a new one started in the background."""
+              budget: int | None = None, keep: bool = False) -> WarmJob:
+        """The running job for ``spec`` (joined), or a new one started in the background;
+        ``keep``: the blocks it fetches go to the memory tier too (``Tiers.warm``)."""
         job = self.jobs.get(spec.name)
         if job is not None:
             job.pin = job.pin or pin
@@ -183,7 +184,8 @@ class Warmer:
         if self._nursery is None:
             raise UsageError("the daemon is not ready for warmups yet")
         job = WarmJob(spec, min(max(1, concurrency), self.max_concurrency),
-                      float(bandwidth) if bandwidth else None, force, pin, budget, label, detached=detach)
+                      float(bandwidth) if bandwidth else None, force, pin, budget, label, keep=keep,
+                      detached=detach)
         self.jobs[spec.name] = job
         self._nursery.start_soon(self._run, job)
         return job
@@ -290,7 +292,7 @@ class Warmer:
 
     async def _warm_block(self, job: WarmJob, work: FileWork, version: FileVersion, index: int) -> None:
         try:
-            fetched, cached = await self.tiers.warm(version, index, job.limiter)
+            fetched, cached = await self.tiers.warm(version, index, job.limiter, keep=job.keep)
         except VersionChanged:
             if version == work.version:
                 await self._restart(job, work)

@@ -114,6 +114,7 @@ class WarmJob:
     pin: bool = False
     budget: int | None = None           # a --prefetch-dataset warm: refused above this many bytes
     label: str = ""
+    keep: bool = False                  # fetched blocks go to the memory tier too (a shard warm)
     state: str = "listing"              # listing, warming, done, refused, cancelled, failed
     error: str | None = None
     files: int = 0
