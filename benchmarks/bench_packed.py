@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="`cachefs pack --concurrency` and the boto3 copy's threads (default 32)")
     p.add_argument("--shard-size", default="256M", help="`cachefs pack --shard-size` (default 256M)")
     p.add_argument("--server", choices=("auto", "moto", "seaweedfs", "rclone"), default="auto")
+    p.add_argument("--proxy", choices=("splice", "copy"), default="splice",
+                   help="how the latency proxy moves answers: in the kernel (splice, ~0.3-0.5 ms of CPU per MiB) "
+                        "or through Python (copy, ~0.8-0.9 ms; the default before 2026-11-27 evening)")
     p.add_argument("--peers", default=",".join(packed_rows.PEER_REQUIREMENTS),
                    help="comma-separated peers to run (default all; '' for none)")
     p.add_argument("--rows", default=",".join(STEPS),
@@ -355,7 +358,7 @@ def describe(args: argparse.Namespace, entries: list[dataset.Entry], server: str
     mean = sum(e.size for e in entries) / max(1, len(entries)) / 1024
     import torch
     return (f"cachefs packed benchmark: {len(entries)} files (mean {mean:.0f} KiB); {server} behind a "
-            f"{args.latency_ms:g} ms proxy; {args.readers} readers, {args.workers} DataLoader workers "
+            f"{args.latency_ms:g} ms proxy ({args.proxy}); {args.readers} readers, {args.workers} DataLoader workers "
             f"(batch {args.batch_size or 'None'}), pack "
             f"concurrency {args.pack_concurrency}, shard size {args.shard_size}; torch {torch.__version__}; "
             f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, kernel {platform.release()}")
@@ -427,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(start_server(server_name, args.workdir / "server"))
         timings["upload_s"] = dataset.upload(bench.root, entries, server.endpoint_url, BUCKET, SRC)
-        proxy = stack.enter_context(ProxyProcess(server.endpoint_url, args.latency_ms))
+        proxy = stack.enter_context(ProxyProcess(server.endpoint_url, args.latency_ms, splice=args.proxy == "splice"))
         bench.store_pids = [server.pid, proxy.pid]
         steps = {"local": bench.local_rows, "boto3": lambda: bench.boto3_rows(proxy.endpoint_url),
                  "pack": lambda: bench.pack_rows(proxy.endpoint_url),

@@ -68,7 +68,10 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import fcntl
+import os
 import random
+import select
 import signal
 import socket
 import struct
@@ -169,7 +172,8 @@ class Bandwidth:
 class FaultPlan:
     """Faults and counters shared between the caller's thread and the proxy's loop."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, answers: bool = True):
+        self._kinds = FAULT_KINDS if answers else tuple(k for k in FAULT_KINDS if k not in ANSWER_FAULTS)
         self._lock = threading.Lock()
         self._queue: collections.deque[str] = collections.deque()
         self._straggle = (0.0, 0.0)
@@ -181,15 +185,15 @@ class FaultPlan:
         self.stragglers = 0
 
     def fail_next(self, n: int, kind: str) -> None:
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, not {kind!r}")
+        if kind not in self._kinds:
+            raise ValueError(f"fault kind must be one of {self._kinds}, not {kind!r}")
         with self._lock:
             self._queue.extend([kind] * n)
 
     def set_random(self, rate: float, kinds: tuple[str, ...]) -> None:
         for kind in kinds:
-            if kind not in FAULT_KINDS:
-                raise ValueError(f"fault kind must be one of {FAULT_KINDS}, not {kind!r}")
+            if kind not in self._kinds:
+                raise ValueError(f"fault kind must be one of {self._kinds}, not {kind!r}")
         with self._lock:
             self._random = (rate, tuple(kinds))
 
@@ -266,8 +270,8 @@ class Connection:
         except OSError:
             abort_with_rst(self.c_writer)
             return
-        tasks = [asyncio.ensure_future(c) for c in
-                 (self._read_client(), self._forward(), self._pump_upstream())]
+        pump = self._splice_upstream() if self.proxy.splice else self._pump_upstream()
+        tasks = [asyncio.ensure_future(c) for c in (self._read_client(), self._forward(), pump)]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -275,7 +279,15 @@ class Connection:
                 task.cancel()
             self.close()
 
+    def _wake_splice(self) -> None:
+        """End the splice thread (if any) before the upstream transport goes: it reads a dup of
+        the socket, which would keep the connection open; shut down, it sees the end at once."""
+        if self.proxy.splice and self.u_writer is not None:
+            with contextlib.suppress(OSError):
+                self.u_writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
+        self._wake_splice()
         for writer in (self.u_writer, self.c_writer):
             if writer is not None and not writer.is_closing():
                 writer.close()
@@ -283,6 +295,7 @@ class Connection:
     def drop(self) -> None:
         """Called by refuse(): end this connection abruptly."""
         self._mode = "reset"
+        self._wake_splice()
         abort_with_rst(self.c_writer)
         if self.u_writer is not None:
             self.u_writer.transport.abort()
@@ -307,7 +320,7 @@ class Connection:
             if self._mode != "forward":
                 continue   # hung, answered or reset: swallow the rest
             if self._at_boundary and is_request_start(chunk):
-                self._at_boundary = False
+                self._at_boundary = self.proxy.splice     # splice: answers are never seen (see there)
                 if not await self._start_request():
                     continue
             await self._send_upstream(chunk)
@@ -322,6 +335,7 @@ class Connection:
         if kind in ANSWER_FAULTS:
             self._answer_fault = kind
             return True
+        self._wake_splice()
         self.u_writer.transport.abort()
         if kind == "reset":
             self._mode = "reset"
@@ -373,6 +387,32 @@ class Connection:
         if self._mode == "forward":
             self.c_writer.close()   # upstream finished: so do we
 
+    async def _splice_upstream(self) -> None:
+        """The answers, moved in the kernel (``splice``: upstream socket -> pipe -> client socket)
+        by a thread of their own, never copied through Python: what a network costs the machine
+        (nothing) rather than a copying proxy's ~0.9 ms of CPU per MiB (``--splice``). Answers
+        are not parsed, so no answer faults and no bandwidth cap; request faults, latency and
+        stragglers act as in the copying pump, and every chunk starting with a method is counted
+        as a request."""
+        self.u_writer.transport.pause_reading()     # the thread reads upstream from now on
+        ufd = os.dup(self.u_writer.get_extra_info("socket").fileno())
+        cfd = os.dup(self.c_writer.get_extra_info("socket").fileno())
+        loop, done = asyncio.get_running_loop(), asyncio.Event()
+
+        def run() -> None:          # a thread per connection (a pool would starve the ones past its size)
+            try:
+                splice_answers(ufd, cfd, self.proxy.stopping)
+            finally:
+                os.close(ufd)
+                os.close(cfd)
+                with contextlib.suppress(RuntimeError):         # the loop closed: shutting down
+                    loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=run, name="proxy-splice", daemon=True).start()
+        await done.wait()
+        if self._mode == "forward":
+            self.c_writer.close()   # upstream finished: so do we
+
     async def _start_answer(self, chunk: bytes) -> bytes:
         """The first chunk of an answer: arm the answer fault the request drew, if any."""
         kind, self._answer_fault = self._answer_fault, None
@@ -401,14 +441,51 @@ class Connection:
             self.c_writer.close()
 
 
+SPLICE_PIPE = 1 << 20
+_F_SETPIPE_SZ = 1031
+
+
+def splice_answers(ufd: int, cfd: int, stopping: threading.Event) -> None:
+    """Move bytes from socket ``ufd`` to socket ``cfd`` through a pipe until ``ufd`` ends, either
+    fails, or ``stopping`` is set (polled every 0.2 s). Both sockets are non-blocking."""
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, _F_SETPIPE_SZ, SPLICE_PIPE)
+    flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+    readable, writable = select.poll(), select.poll()
+    readable.register(ufd, select.POLLIN | select.POLLRDHUP)
+    writable.register(cfd, select.POLLOUT)
+    try:
+        while not stopping.is_set():
+            try:
+                held = os.splice(ufd, w, SPLICE_PIPE, flags=flags)
+            except BlockingIOError:
+                readable.poll(200)
+                continue
+            if held == 0:
+                return                                  # the server closed
+            while held and not stopping.is_set():
+                try:
+                    held -= os.splice(r, cfd, held, flags=flags)
+                except BlockingIOError:
+                    writable.poll(200)
+    except OSError:
+        return                                          # a reset on either side
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 class _ProxyLoop:
     """Everything that lives on the proxy's own event loop."""
 
-    def __init__(self, upstream, latency, bandwidth, faults):
+    def __init__(self, upstream, latency, bandwidth, faults, splice=False):
         self.upstream = upstream
         self.latency = latency
         self.bandwidth = Bandwidth(bandwidth)
         self.faults = faults
+        self.splice = splice
+        self.stopping = threading.Event()      # ends the splice threads
         self.connections: set[Connection] = set()
         self.refuse_mode: str | None = None   # None | "close" | "stop"
         self.accepted = 0
@@ -447,6 +524,7 @@ class _ProxyLoop:
             await self.listen(host, port)
 
     async def shutdown(self) -> None:
+        self.stopping.set()
         if self.server is not None:
             self.server.close()
         for conn in list(self.connections):
@@ -466,11 +544,13 @@ class LatencyProxy:
 
     def __init__(self, upstream_host: str, upstream_port: int, *, latency: float = 0.010,
                  bandwidth: float | None = None, listen_host: str = "127.0.0.1",
-                 listen_port: int = 0, seed: int = 0):
+                 listen_port: int = 0, seed: int = 0, splice: bool = False):
+        if splice and bandwidth:
+            raise ValueError("splice moves answers in the kernel: no bandwidth cap with it")
         self.listen_host = listen_host
-        self.faults = FaultPlan(seed)
+        self.faults = FaultPlan(seed, answers=not splice)
         self.restarts = 0
-        self._inner = _ProxyLoop((upstream_host, upstream_port), latency, bandwidth, self.faults)
+        self._inner = _ProxyLoop((upstream_host, upstream_port), latency, bandwidth, self.faults, splice)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="latency-proxy", daemon=True)
@@ -561,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-ms", type=float, default=10.0)
     parser.add_argument("--bandwidth-mbps", type=float, default=None,
                         help="server->client cap in megabytes (10^6 B) per second")
+    parser.add_argument("--splice", action="store_true",
+                        help="move answers in the kernel (splice), not through Python: no bandwidth cap")
     args = parser.parse_args(argv)
     up_host, up_port = parse_hostport(args.upstream)
     host, port = parse_hostport(args.listen)
@@ -568,8 +650,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if args.splice and bandwidth:
+        parser.error("--splice and --bandwidth-mbps exclude each other")
     with LatencyProxy(up_host, up_port, latency=args.latency_ms / 1000, bandwidth=bandwidth,
-                      listen_host=host, listen_port=port) as proxy:
+                      listen_host=host, listen_port=port, splice=args.splice) as proxy:
         print(f"port={proxy.port}\nendpoint_url={proxy.endpoint_url}", flush=True)
         while not stop.wait(1.0):
             pass

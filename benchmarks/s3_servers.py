@@ -236,12 +236,15 @@ def start_server(backend: str, workdir: Path):
 class ProxyProcess:
     """``latency_proxy.py`` as a subprocess: ``.endpoint_url``, ``.pid``."""
 
-    def __init__(self, upstream_url: str, latency_ms: float, bandwidth_mbps: float | None = None):
+    def __init__(self, upstream_url: str, latency_ms: float, bandwidth_mbps: float | None = None,
+                 splice: bool = False):
         host_port = upstream_url.split("://", 1)[1].rstrip("/")
         self.cmd = [sys.executable, str(PROXY_SCRIPT), "--upstream", host_port,
                     "--latency-ms", str(latency_ms)]
         if bandwidth_mbps:
             self.cmd += ["--bandwidth-mbps", str(bandwidth_mbps)]
+        if splice:
+            self.cmd.append("--splice")
         self.proc: subprocess.Popen | None = None
         self.endpoint_url = ""
 

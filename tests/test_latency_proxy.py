@@ -307,3 +307,72 @@ def test_restart_refuses_then_serves_again(moto, proxy):
     time.sleep(0.8)
     assert timed_get(client, bucket, "small")[1] == SMALL
     assert proxy.stats()["restarts"] == 1
+
+
+# ---- splice: answers moved in the kernel (the benchmarks' proxy) -----------------------------------
+@pytest.fixture
+def spliced(moto):
+    server, _ = moto
+    port = int(server.endpoint_url.rsplit(":", 1)[1])
+    with LatencyProxy("127.0.0.1", port, latency=0.010, splice=True) as p:
+        yield p
+
+
+def splice_threads() -> int:
+    import threading
+    return sum(t.name == "proxy-splice" for t in threading.enumerate())
+
+
+def test_splice_carries_every_byte_and_adds_latency(moto, spliced):
+    _, bucket = moto
+    client = client_for(spliced.endpoint_url)
+    big = bytes(range(251)) * (40 << 10)                     # 10 MiB, through 1 MiB pipes
+    client.put_object(Bucket=bucket, Key="big", Body=big)
+    times = [timed_get(client, bucket, key) for key in ("small", "medium", "big", "small")]
+    assert [body for _, body in times] == [SMALL, MEDIUM, big, SMALL]
+    assert min(t for t, _ in times) >= 0.010
+    assert spliced.stats()["requests"] == 5                  # one connection, every request counted
+
+
+def test_splice_keeps_request_faults_and_ends_its_threads(moto, spliced):
+    _, bucket = moto
+    client = client_for(spliced.endpoint_url, read_timeout=0.5)
+    for kind, error in (("503", botocore.exceptions.ClientError),
+                        ("reset", botocore.exceptions.ConnectionClosedError),
+                        ("hang", botocore.exceptions.ReadTimeoutError)):
+        spliced.fail_next(1, kind)
+        with pytest.raises(error):
+            client.get_object(Bucket=bucket, Key="small")
+        assert timed_get(client, bucket, "small")[1] == SMALL
+    spliced.refuse(True)
+    with pytest.raises(botocore.exceptions.EndpointConnectionError):
+        client.get_object(Bucket=bucket, Key="small")
+    spliced.refuse(False)
+    assert timed_get(client, bucket, "small")[1] == SMALL
+    with pytest.raises(ValueError):                          # answers are not parsed: no answer faults
+        spliced.fail_next(1, "truncate")
+    assert spliced.stats()["faults"] == {"503": 1, "reset": 1, "hang": 1}
+    spliced.close()
+    deadline = time.monotonic() + 5
+    while splice_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert splice_threads() == 0
+
+
+def test_splice_refuses_a_bandwidth_cap(moto):
+    with pytest.raises(ValueError):
+        LatencyProxy("127.0.0.1", 1, bandwidth=1e6, splice=True)
+
+
+def test_cli_splice(moto):
+    server, bucket = moto
+    upstream = server.endpoint_url.split("://", 1)[1]
+    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "latency_proxy.py"), "--upstream", upstream,
+                             "--latency-ms", "10", "--splice"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline().strip().removeprefix("port="))
+        assert timed_get(client_for(f"http://127.0.0.1:{port}"), bucket, "medium")[1] == MEDIUM
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+        proc.stdout.close()
