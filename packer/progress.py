@@ -2,6 +2,7 @@
 nothing with --quiet; and the one-paragraph summary."""
 
 import json
+import resource
 import sys
 import threading
 import time
@@ -78,6 +79,22 @@ class Progress:
             self.stream.write("\n")
             self._drawn = False
         if self.json_lines:
-            self._line({"event": "summary", "command": self.verb, **self.report(), **summary})
+            self._line({"event": "summary", "command": self.verb, **self.report(), **summary,
+                        "peak_rss_bytes": peak_rss()})
         elif not self.quiet:
             print(text, file=sys.stderr)
+
+
+def peak_rss() -> int:
+    """This process's peak resident set, in bytes: VmHWM, the high-water mark of its own memory
+    since it exec'd. Not ``getrusage``'s ``ru_maxrss``: on Linux that also counts what the parent
+    had resident when it spawned this process (exec records the forked copy's high-water mark),
+    so a packer started from a 500 MiB process reads 500 MiB there."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # no /proc: the best there is

@@ -66,7 +66,8 @@ def test_copy_and_pack_rows_count_what_they_moved(packed):
     assert len([s for s in shards if s["Key"].endswith(".tfrecord")]) == summary["total_shards"] >= 2
     # the peak RSS is the pack subprocess's (a Python process with pyarrow: tens of MiB, not ours)
     assert 20 * MiB < run["peak_rss"] < 1024 * MiB
-    assert run["vm_hwm_sampled"] <= run["peak_rss"] == max(run["vm_hwm_sampled"], run["ru_maxrss"])
+    assert run["vm_hwm_sampled"] <= run["peak_rss"] == max(run["vm_hwm_sampled"], run["vm_hwm_at_end"])
+    assert run["vm_hwm_at_end"] == run["summary"]["peak_rss_bytes"] > 20 * MiB
 
 
 def test_loader_epoch_counts_every_file_once_and_flags_wrong_sizes(tmp_path):
