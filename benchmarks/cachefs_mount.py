@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Self
 
+from cachefs import host
+
 
 def cachefs_command() -> list[str]:
     exe = Path(sys.executable).with_name("cachefs")
@@ -42,11 +44,10 @@ def drop_page_cache() -> None:
 
 def vm_hwm(pid: int) -> int:
     """Peak resident set size (VmHWM) of ``pid`` in bytes."""
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+    peak = host.vm_hwm(pid)
+    if peak is None:
+        raise RuntimeError(f"no VmHWM for pid {pid}")
+    return peak
 
 
 def is_mounted(path: Path) -> bool:

@@ -447,7 +447,6 @@ class Connection:
 
 
 SPLICE_PIPE = 1 << 20
-_F_SETPIPE_SZ = 1031
 
 
 def splice_answers(ufd: int, cfd: int, stopping: threading.Event) -> None:
@@ -455,7 +454,7 @@ def splice_answers(ufd: int, cfd: int, stopping: threading.Event) -> None:
     fails, or ``stopping`` is set (polled every 0.2 s). Both sockets are non-blocking."""
     r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     with contextlib.suppress(OSError):
-        fcntl.fcntl(w, _F_SETPIPE_SZ, SPLICE_PIPE)
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, SPLICE_PIPE)
     flags = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
     readable, writable = select.poll(), select.poll()
     readable.register(ufd, select.POLLIN | select.POLLRDHUP)
@@ -649,14 +648,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--splice", action="store_true",
                         help="move answers in the kernel (splice), not through Python: no bandwidth cap")
     args = parser.parse_args(argv)
+    if args.splice and args.bandwidth_mbps:
+        parser.error("--splice and --bandwidth-mbps exclude each other")
     up_host, up_port = parse_hostport(args.upstream)
     host, port = parse_hostport(args.listen)
     bandwidth = args.bandwidth_mbps * 1e6 if args.bandwidth_mbps else None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    if args.splice and bandwidth:
-        parser.error("--splice and --bandwidth-mbps exclude each other")
     with LatencyProxy(up_host, up_port, latency=args.latency_ms / 1000, bandwidth=bandwidth,
                       listen_host=host, listen_port=port, splice=args.splice) as proxy:
         print(f"port={proxy.port}\nendpoint_url={proxy.endpoint_url}", flush=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 from benchmarks.cachefs_mount import cachefs_command
 from benchmarks.dataset import Entry, object_key
 from benchmarks.readers import Result, Tally
+from cachefs.host import vm_hwm
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
@@ -40,17 +41,6 @@ PEER_LABELS = {"streaming": "MosaicML Streaming (MDS)", "litdata": "LitData (opt
 
 
 # ---- cachefs pack vs a boto3 copy ----------------------------------------------------------------
-def _vm_hwm(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def pack_run(src: str, dst: str, endpoint_url: str, concurrency: int, shard_size: str,
              env: dict) -> dict:
     """Run ``cachefs pack SRC DST``; seconds, exit code, peak RSS (bytes), the JSON summary."""
@@ -63,7 +53,7 @@ def pack_run(src: str, dst: str, endpoint_url: str, concurrency: int, shard_size
 
     def sample() -> None:
         while not done.wait(0.1):
-            peak[0] = max(peak[0], _vm_hwm(proc.pid))
+            peak[0] = max(peak[0], vm_hwm(proc.pid) or 0)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

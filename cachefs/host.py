@@ -147,6 +147,19 @@ def tune_kernel(mountpoint: str, read_ahead_kb: int, max_background: int) -> Non
             log.info("kernel tuning: cannot write %s (%s)", path, exc.strerror)
 
 
+def vm_hwm(pid: int | str = "self") -> int | None:
+    """Peak resident set (VmHWM) of process ``pid``, in bytes: the high-water mark of its own
+    memory since it exec'd; None where ``/proc`` does not say (no such process, not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 

@@ -8,6 +8,7 @@ import threading
 import time
 
 from cachefs.control.status_view import size
+from cachefs.host import vm_hwm
 
 _EVERY = 0.5   # seconds between redraws / JSON lines
 
@@ -90,11 +91,7 @@ def peak_rss() -> int:
     since it exec'd. Not ``getrusage``'s ``ru_maxrss``: on Linux that also counts what the parent
     had resident when it spawned this process (exec records the forked copy's high-water mark),
     so a packer started from a 500 MiB process reads 500 MiB there."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    own = vm_hwm()
+    if own is not None:
+        return own
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # no /proc: the best there is

@@ -6,6 +6,7 @@ the pipelining test, whose upper bound is many times the expected duration.
 
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +23,7 @@ from benchmarks.latency_proxy import (
     is_request_start,
 )
 from cachefs.demo.local_s3 import LocalS3Server, local_credentials_env, make_bucket
+from tests.mounts import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -319,7 +321,6 @@ def spliced(moto):
 
 
 def splice_threads() -> int:
-    import threading
     return sum(t.name == "proxy-splice" for t in threading.enumerate())
 
 
@@ -353,10 +354,7 @@ def test_splice_keeps_request_faults_and_ends_its_threads(moto, spliced):
         spliced.fail_next(1, "truncate")
     assert spliced.stats()["faults"] == {"503": 1, "reset": 1, "hang": 1}
     spliced.close()
-    deadline = time.monotonic() + 5
-    while splice_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert splice_threads() == 0
+    wait_for(lambda: splice_threads() == 0, timeout=5)
 
 
 def test_splice_refuses_a_bandwidth_cap(moto):
