@@ -332,6 +332,41 @@ def test_dataloader_workers_use_the_channel_the_parent_found(s3_server, proxied,
     mnt.umount()
 
 
+def test_a_sample_is_read_back_from_the_file_the_worker_read_it_from(s3_server, proxied, mount_factory,
+                                                                       monkeypatch):
+    """A sample a worker read through the mount (its block was not on the disk tier yet) sits in the
+    page cache of the mount's shard file: the main process reads it back there, even where it holds
+    the daemon's cache file by then (a disk read). One read directly is read back directly."""
+    import gc
+    import pickle
+
+    from cachefs.data import dataset as dataset_module
+    from cachefs.data.direct import DirectShards
+    proxy, bucket, client = proxied
+    files = make_files()
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
+    mnt = mount(proxy, bucket, mount_factory).start()
+    monkeypatch.setattr(dataset_module, "_in_worker", lambda: True)     # samples go by reference
+    cold = PackedDataset(mnt.path)
+    path, data = cold[0]                                     # cold: nothing on the disk tier yet
+    assert data == files[path] and not cold.files.last_direct
+    through_mount = pickle.dumps(data)
+    cold.close()
+    del cold, data
+    gc.collect()                                             # the reader by reference is the next dataset's
+    assert cachefs("warmup", str(mnt.path)).returncode == 0
+    with PackedDataset(mnt.path) as warm:
+        again = warm[0][1]
+        assert again == files[path] and warm.files.last_direct   # the cache file, handed over
+        directly = pickle.dumps(again)
+        calls = []
+        read = DirectShards.read
+        monkeypatch.setattr(DirectShards, "read", lambda self, *args: calls.append(args) or read(self, *args))
+        assert pickle.loads(through_mount) == files[path] and calls == []
+        assert pickle.loads(directly) == files[path] and len(calls) == 1
+    mnt.umount()
+
+
 def test_a_corrupt_cache_file_read_directly_falls_back_to_the_mount(s3_server, proxied, mount_factory):
     """A cache file damaged on disk: the loader's crc check catches it, drops the shard's files and
     reads through the mount, whose own check drops the block and fetches it again: right bytes."""

@@ -5,8 +5,12 @@ Open files and mappings belong to one process (DataLoader workers fork) and are 
 A sample a DataLoader worker hands to the main process travels by reference (``SampleBytes``): the
 worker has read and checked it, so its pages sit in this machine's page cache (of the daemon's
 cache file, of the mount's shard file or of the local shard file), and the main process reads the
-same range again there and checks it again, where pickling the bytes would copy them four times
-through a pipe. Unpickled, it is plain ``bytes``."""
+same range again from the same file and checks it again, where pickling the bytes would copy them
+four times through a pipe. Unpickled, it is plain ``bytes``. "The same file" matters in a mount: a
+sample the worker read through the mount (its block was not on the daemon's disk yet) is in the
+page cache of the mount's shard file, not of the daemon's cache file the main process may hold a
+descriptor of by then (a disk read there: measured, 3/4 of the main process's time in the first
+shard of a cold epoch)."""
 
 import mmap
 import os
@@ -51,6 +55,7 @@ class ShardFiles:
         # A failed read of a mapped page is SIGBUS: the training process would die where a read
         # through a mount (whose store can fail) must be an OSError. Mount: pread; local: mmap.
         self._can_map = not self.in_mount     # also False where the file system refuses mmap
+        self.last_direct = False       # the last read_at read the daemon's cache file (not the mount)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -76,24 +81,31 @@ class ShardFiles:
         return self.read_at(shard, self.names[shard], self.sizes[shard], int(self.offset[row]),
                             int(self.length[row]), int(self.crc[row]), row)
 
-    def read_at(self, shard: int, name: str, size: int, offset: int, length: int, crc: int, row: int) -> bytes:
+    def read_at(self, shard: int, name: str, size: int, offset: int, length: int, crc: int, row: int,
+                direct: bool = True) -> bytes:
         """Bytes [offset, offset+length) of shard ``shard`` (file ``name``, ``size`` bytes), checked
-        against ``crc``; ``row`` (the file's index row) names it in the error."""
-        if self.direct is not None:
+        against ``crc``; ``row`` (the file's index row) names it in the error. ``direct`` False:
+        through the mount even where the daemon handed over the cache file (``last_direct`` says
+        which it was)."""
+        self.last_direct = False
+        if direct and self.direct is not None:
             data = self.direct.read(shard, name, size, offset, length)
             if data is not None:
                 try:
-                    return _verified(data, length, crc, name, row)
+                    data = _verified(data, length, crc, name, row)
+                    self.last_direct = True
+                    return data
                 except CorruptRecord:
                     self.direct.drop(shard)
         return _verified(os.pread(self._fd(name), length, offset), length, crc, name, row)
 
     def reference(self, row: int, data: bytes) -> "SampleBytes":
-        """``data``, the checked bytes of file ``row``, as a sample that pickles as its place."""
+        """``data``, the checked bytes of file ``row`` just read (``read``), as a sample that
+        pickles as its place: the file it was read from, which holds it in the page cache."""
         shard = int(self.shard[row])
         sample = SampleBytes(data)
         sample.ref = (str(self.root), shard, self.names[shard], self.sizes[shard], int(self.offset[row]),
-                      len(data), int(self.crc[row]), row)
+                      len(data), int(self.crc[row]), row, self.last_direct)
         return sample
 
     def touch(self, shard: int, *, whole: bool = False) -> None:
@@ -219,9 +231,9 @@ def register_reader(files: ShardFiles) -> None:
 
 
 def load_reference(root: str, shard: int, name: str, size: int, offset: int, length: int, crc: int,
-                   row: int) -> bytes:
+                   row: int, direct: bool = True) -> bytes:
     """A ``SampleBytes`` unpickled: its range read again here, from the same place the worker read
-    it (the daemon's cache file, else the mount, else the local shard), and checked."""
+    it (the daemon's cache file if ``direct``, else the mount; or the local shard), and checked."""
     global reference_loads
     with _REF_LOCK:       # DataLoader may unpickle in its pin-memory thread
         files = _REF_READERS.get(root)
@@ -231,6 +243,6 @@ def load_reference(root: str, shard: int, name: str, size: int, offset: int, len
                 files = _OWN_READERS[root] = ShardFiles(Path(root), None)
         if files.direct is not None:
             files.direct.keep = max(files.direct.keep, REFERENCE_KEEP)
-        data = files.read_at(shard, name, size, offset, length, crc, row)
+        data = files.read_at(shard, name, size, offset, length, crc, row, direct)
         reference_loads += 1
     return data
