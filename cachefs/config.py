@@ -48,6 +48,11 @@ def default_cache_dir() -> str:
     return os.path.join(base, "cachefs")
 
 
+DEFAULT_BLOCK_SIZE = 4 << 20
+# A packed dataset's shards are multipart objects of exact 8 MiB parts (packer/options.PART_SIZE):
+# with blocks of the same size each block GET reads one part, which S3 servers store as a unit
+# (docs/packer.md, "Blocks of a packed mount").
+PACKED_BLOCK_SIZE = 8 << 20
 DEFAULT_LOG_PATTERNS = ("*.log", "*.txt", "*.json", "*.csv", "events.out.tfevents.*")
 DEFAULT_CHECKPOINT_PATTERNS = ("*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.bin")
 
@@ -78,7 +83,9 @@ class MountConfig:
         "help": "keep at least this fraction of the cache filesystem free"})
     mem_cache_size: int = field(default=1 << 30, metadata={
         "help": "memory-tier budget (blocks and readahead)", "size": True})
-    block_size: int = field(default=4 << 20, metadata={"help": "cache block size", "size": True})
+    block_size: int | None = field(default=None, metadata={
+        "help": "cache block size (a packed dataset's default is the packer's part size)",
+        "size": True, "shown": "4M, packed 8M"})
     metadata_ttl: float = field(default=60.0, metadata={
         "help": "seconds before listings and attributes are revalidated with the store"})
     immutable: bool = field(default=False, metadata={
@@ -188,6 +195,13 @@ class MountConfig:
     def staging_path(self) -> str:
         return self.staging_dir or os.path.join(self.cache_dir, "staging")
 
+    def block_size_for(self, packed: bool) -> int:
+        """The cache block size of the mount: the one set, else the default for what it mounts (the
+        packed one where the memory tier holds two such blocks)."""
+        if self.block_size:
+            return self.block_size
+        return PACKED_BLOCK_SIZE if packed and self.mem_cache_size >= 2 * PACKED_BLOCK_SIZE else DEFAULT_BLOCK_SIZE
+
     @property
     def writable(self) -> bool:
         return not (self.read_only or self.immutable)
@@ -205,10 +219,10 @@ def _validate(cfg: MountConfig) -> None:
 
     need(cfg.cache_size > 0, "cache_size must be positive")
     need(0.0 <= cfg.free_space_ratio < 1.0, "free_space_ratio must be in [0, 1)")
-    need(cfg.mem_cache_size >= 2 * cfg.block_size,
-         "mem_cache_size must hold at least two blocks (2 x block_size)")
-    need(64 << 10 <= cfg.block_size <= 64 << 20 and cfg.block_size % 4096 == 0,
+    need(cfg.block_size is None or (64 << 10 <= cfg.block_size <= 64 << 20 and cfg.block_size % 4096 == 0),
          "block_size must be a multiple of 4K between 64K and 64M")
+    need(cfg.mem_cache_size >= 2 * (cfg.block_size or DEFAULT_BLOCK_SIZE),
+         "mem_cache_size must hold at least two blocks (2 x block_size)")
     need(cfg.metadata_ttl >= 0, "metadata_ttl must be >= 0")
     need(cfg.list_ahead >= 0, "list_ahead must be >= 0")
     for name in ("max_fetches", "max_prefetches", "max_connections", "max_attempts", "fill_workers",
@@ -329,6 +343,8 @@ def render_default(f: dataclasses.Field) -> str:
     """A field's default as a user writes it (``50G``, ``0644``, ``-`` for none): for --help and
     the README table alike."""
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if "shown" in f.metadata:
+        return f.metadata["shown"]
     if value is None:
         return "-"
     if f.metadata.get("mode"):

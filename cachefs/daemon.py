@@ -64,7 +64,8 @@ class Daemon:
                              max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20))
         self.memory = MemoryTier(cfg.mem_cache_size, metrics)
         # max_prefetches keeps the --max-prefetches option's old name; it bounds readahead GETs
-        self.tiers = Tiers(store, self.memory, self.disk, metrics, block_size=cfg.block_size,
+        self.tiers = Tiers(store, self.memory, self.disk, metrics,
+                           block_size=cfg.block_size_for(packed is not None),
                            readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
                            max_readaheads=cfg.max_prefetches, hedger=Hedger(HedgePolicy(
                                cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay), metrics),
@@ -110,7 +111,8 @@ class Daemon:
                 "mountpoint": self.cfg.mountpoint, "cache_dir": self.cfg.cache_dir,
                 "uptime_s": round(time.time() - self.started, 1),
                 "metrics": self.exporter.address if self.exporter else None,
-                "immutable": self.cfg.immutable, "tiers": tiers, "store_requests": requests,
+                "immutable": self.cfg.immutable, "block_size": self.tiers.block_size, "tiers": tiers,
+                "store_requests": requests,
                 "store_read_bytes": int(m.counter_value("cachefs_store_read_bytes_total")),
                 "read_bytes": int(m.counter_value("cachefs_read_bytes_total")),
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),

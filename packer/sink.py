@@ -2,8 +2,9 @@
 one PUT when the whole shard is smaller than a part. Nothing appears until ``finish``.
 
 Every part but the last is exactly ``part_size`` bytes (records are cut across parts), so the
-parts line up with the blocks a mount reads (``--block-size`` 4 MiB divides the 8 MiB parts): a
-block's ranged GET never spans two parts. Servers store a part as an object of its own (Ceph RGW,
+parts line up with the blocks a mount reads (a packed mount's blocks are 8 MiB by default, one
+part each; any ``--block-size`` that divides 8 MiB works too): a block's ranged GET never spans
+two parts. Servers store a part as an object of its own (Ceph RGW,
 SeaweedFS), and a GET across a part boundary costs them more: a 4 MiB ranged GET of SeaweedFS
 took 7.5-8.1 ms of its CPU with parts of 8 MiB + 57,000 bytes, 5.8-5.9 ms with 8 MiB parts, and
 a packed cold epoch through a mount (SeaweedFS, 10,000 x 110 KiB) 0.28-0.30 ms of store CPU per

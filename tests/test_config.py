@@ -83,7 +83,11 @@ def test_defaults_without_a_file_or_flags(tmp_path):
     cfg = config(tmp_path)
     defaults = MountConfig(url=URL, mountpoint=str(tmp_path / "mnt"))
     assert dataclasses.asdict(cfg) == dataclasses.asdict(defaults)
-    assert (cfg.url, cfg.mountpoint, cfg.block_size, cfg.immutable) == (URL, str(tmp_path / "mnt"), 4 << 20, False)
+    assert (cfg.url, cfg.mountpoint, cfg.block_size, cfg.immutable) == (URL, str(tmp_path / "mnt"), None, False)
+    assert (cfg.block_size_for(packed=False), cfg.block_size_for(packed=True)) == (4 << 20, 8 << 20)
+    small = config(tmp_path, None, "--mem-cache-size", "12M")    # two 8 MiB blocks do not fit: 4 MiB ones
+    assert (small.block_size_for(packed=True), config(tmp_path, None, "--block-size", "1M").block_size_for(True)) \
+        == (4 << 20, 1 << 20)
 
 
 def test_flags_override_the_toml_file_which_overrides_defaults(tmp_path):

@@ -172,6 +172,35 @@ def test_warmup_fetches_whole_shards_then_reads_come_from_the_cache(s3_server, p
     mnt.umount()
 
 
+def test_a_packed_mount_reads_blocks_of_one_multipart_part(s3_server, proxied, mount_factory):
+    """Unless --block-size says otherwise, a packed mount's cache blocks are the packer's 8 MiB
+    parts, so each block GET reads one part (an unpacked mount keeps 4 MiB blocks)."""
+    from cachefs.config import DEFAULT_BLOCK_SIZE, PACKED_BLOCK_SIZE
+    from packer.options import PART_SIZE
+    assert PART_SIZE == PACKED_BLOCK_SIZE == 2 * DEFAULT_BLOCK_SIZE
+    proxy, bucket, client = proxied
+    rng = random.Random(3)
+    files = {f"d/f{i:02d}.bin": rng.randbytes(700_000) for i in range(30)}      # one 20 MiB shard
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "64M")
+    shard = client.list_objects_v2(Bucket=bucket, Prefix="packed/shards/")["Contents"][0]
+    assert client.head_object(Bucket=bucket, Key=shard["Key"], PartNumber=1)["ContentLength"] == PART_SIZE
+    mnt = mount_factory(f"s3://{bucket}/packed", "--endpoint-url", proxy.endpoint_url).start()
+    assert mnt.status()["block_size"] == PACKED_BLOCK_SIZE
+    assert "blocks of 8.0 MiB" in cachefs("status", str(mnt.path)).stdout
+    gets = mnt.requests("get")
+    assert cachefs("warmup", str(mnt.path)).returncode == 0
+    assert mnt.requests("get") - gets == -(-shard["Size"] // PART_SIZE) == 3   # a GET per part
+    assert tree_of(mnt.path) == files
+    mnt.umount()
+    plain = mount_factory(f"s3://{bucket}/src", "--endpoint-url", proxy.endpoint_url, name="plain").start()
+    assert plain.status()["block_size"] == DEFAULT_BLOCK_SIZE
+    plain.umount()
+    small = mount_factory(f"s3://{bucket}/packed", "--endpoint-url", proxy.endpoint_url, "--block-size", "1M",
+                          name="set").start()
+    assert small.status()["block_size"] == 1 << 20                                # what the user set
+    small.umount()
+
+
 def shards_of(mnt) -> dict[int, list[str]]:
     """shard number -> the paths of the files it holds, from the index (read through the mount)."""
     manifest = json.loads((mnt / PACKED / "manifest.json").read_bytes())

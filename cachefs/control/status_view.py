@@ -18,7 +18,8 @@ def ratio(value: float | None) -> str:
 def render(status: dict) -> str:
     lines = [f"cachefs {status['version']}  pid {status['pid']}  up {status['uptime_s']:.0f}s",
              f"  {status['url']} -> {status['mountpoint']}",
-             f"  cache dir {status['cache_dir']}" + ("  (immutable)" if status.get("immutable") else "")]
+             f"  cache dir {status['cache_dir']}" + ("  (immutable)" if status.get("immutable") else "")
+             + (f"  blocks of {size(status['block_size'])}" if status.get("block_size") else "")]
     for tier in ("memory", "disk"):
         t = status["tiers"][tier]
         used = f"{size(t.get('used_bytes'))} / {size(t.get('capacity_bytes', t.get('capacity')))}"
