@@ -12,6 +12,7 @@ block file's write or read to a worker thread with less work per call than ``tri
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,3 +77,27 @@ async def in_thread(fn: Callable[..., T], *args: object, limiter: trio.CapacityL
 
 def _no_abort(raise_cancel: object) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
+
+
+async def in_thread_stoppable(fn: Callable[..., T], *args: object, limiter: trio.CapacityLimiter) -> T:
+    """``in_thread`` for a loop that polls a ``threading.Event``, passed to ``fn`` after ``args``:
+    a cancellation of the caller sets it, the caller resumes once ``fn`` has returned (so nothing
+    ``fn`` uses is released under it), and the cancellation is raised then."""
+    stop = threading.Event()
+    async with held(limiter):
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(result: Any) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        def abort(raise_cancel: object) -> trio.lowlevel.Abort:
+            stop.set()                  # fn returns within its poll interval; deliver wakes us
+            return trio.lowlevel.Abort.FAILED
+
+        trio.lowlevel.start_thread_soon(functools.partial(fn, *args, stop), deliver)
+        value = await trio.lowlevel.wait_task_rescheduled(abort)
+    if stop.is_set():
+        await trio.lowlevel.checkpoint()    # raises the cancellation that stopped fn
+    return value
