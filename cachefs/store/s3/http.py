@@ -533,7 +533,6 @@ class AsyncGetter:
             _Connection(stream).close()
 
 
-
 def _receive_blocking(fd: int, view: memoryview, have: int, length: int, timeout: float,
                       stop: threading.Event) -> tuple[int, bool]:
     """Worker thread: receive into ``view[have:length]`` from the non-blocking socket ``fd`` until
