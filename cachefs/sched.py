@@ -64,19 +64,25 @@ async def in_thread(fn: Callable[..., T], *args: object, limiter: trio.CapacityL
     ~90 us through ``to_thread`` (20,000 calls from 4 tasks). Like ``to_thread`` with its
     default, the caller cannot be cancelled while ``fn`` runs."""
     async with held(limiter):
-        task = trio.lowlevel.current_task()
-        token = trio.lowlevel.current_trio_token()
-
-        def deliver(result: Any) -> None:       # an outcome.Outcome of fn
-            with contextlib.suppress(trio.RunFinishedError):   # the run ended: nobody waits for it
-                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-
-        trio.lowlevel.start_thread_soon(functools.partial(fn, *args), deliver)
-        return await trio.lowlevel.wait_task_rescheduled(_no_abort)   # fn's value, or its error
+        return await _in_worker(functools.partial(fn, *args), _no_abort)
 
 
 def _no_abort(raise_cancel: object) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
+
+
+async def _in_worker(call: Callable[[], T], abort: Callable[[object], trio.lowlevel.Abort]) -> T:
+    """Run ``call`` in one of trio's cached threads and wait for it: its value, or its error.
+    ``abort`` is trio's abort callback for a cancellation while it runs."""
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def deliver(result: Any) -> None:       # an outcome.Outcome of call
+        with contextlib.suppress(trio.RunFinishedError):   # the run ended: nobody waits for it
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+    trio.lowlevel.start_thread_soon(call, deliver)
+    return await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 async def in_thread_stoppable(fn: Callable[..., T], *args: object, limiter: trio.CapacityLimiter) -> T:
@@ -84,20 +90,13 @@ async def in_thread_stoppable(fn: Callable[..., T], *args: object, limiter: trio
     a cancellation of the caller sets it, the caller resumes once ``fn`` has returned (so nothing
     ``fn`` uses is released under it), and the cancellation is raised then."""
     stop = threading.Event()
+
+    def abort(raise_cancel: object) -> trio.lowlevel.Abort:
+        stop.set()                  # fn returns within its poll interval; its delivery wakes us
+        return trio.lowlevel.Abort.FAILED
+
     async with held(limiter):
-        task = trio.lowlevel.current_task()
-        token = trio.lowlevel.current_trio_token()
-
-        def deliver(result: Any) -> None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-
-        def abort(raise_cancel: object) -> trio.lowlevel.Abort:
-            stop.set()                  # fn returns within its poll interval; deliver wakes us
-            return trio.lowlevel.Abort.FAILED
-
-        trio.lowlevel.start_thread_soon(functools.partial(fn, *args, stop), deliver)
-        value = await trio.lowlevel.wait_task_rescheduled(abort)
+        value = await _in_worker(functools.partial(fn, *args, stop), abort)
     if stop.is_set():
         await trio.lowlevel.checkpoint()    # raises the cancellation that stopped fn
     return value
