@@ -404,6 +404,30 @@ def test_read_spanning_three_blocks_then_memory_then_disk_tier(bucket_mem, tmp_p
     trio.run(main)
 
 
+def test_every_block_from_the_store_is_shown_to_on_fetched_and_memory_parts_are_views(bucket_mem, tmp_path):
+    """``Tiers.on_fetched`` sees each block a GET brings (a read's, a warm's), once, at its offset:
+    the packed view checks its records there. A part of a memory-tier block is a view of it."""
+    data = blob(5, 3 * BS)
+    bucket_mem.put("f", data)
+    store = bucket_mem.store()
+    f = bucket_mem.version(store, "f")
+    metrics = Metrics()
+    disk = make_disk(tmp_path / "disk", metrics)
+    seen = []
+
+    async def main():
+        async with serving(disk):
+            cache = make_cache(store, metrics, disk)
+            cache.on_fetched = lambda fv, offset, got: seen.append((fv, offset, bytes(got)))
+            assert await cache.read(f, 10, 100) == data[10:110]
+            assert await cache.warm(f, 2, trio.CapacityLimiter(1)) == (BS, True)
+            part = await cache.read(f, 20, 30)                           # a memory hit: no GET
+            assert part == data[20:50] and isinstance(part, memoryview)
+            assert seen == [(f, 0, data[:BS]), (f, 2 * BS, data[2 * BS:])]
+            assert store.calls["get"] == 2
+    trio.run(main)
+
+
 def test_reads_clip_at_the_end_of_the_object(bucket_mem):
     data = blob(4, 2 * BS + 100)
     bucket_mem.put("f", data)

@@ -543,6 +543,46 @@ def test_a_small_record_is_checked_whole_and_refetched_once(heal):
 
 
 @pytest.mark.allow_warnings
+def test_records_are_checked_when_their_block_comes_from_the_store(monkeypatch):
+    """A block that arrives from the store has every record wholly inside it checked: a read of one
+    that passed computes no crc of its own. A record across two blocks, one that failed, and one in
+    a block this mount never fetched (a cache file from before it) are checked when read."""
+    from cachefs.namespace import packed
+    from cachefs.packfmt import CorruptRecord
+    from cachefs.tiers.cache import Stream
+    files = {f"f{i}.bin": bytes([i]) * 300 for i in range(8)}
+    view, tiers, metrics = packed_view(files, heal=False, corrupt="f6.bin")
+    crcs = []
+    real = packed._crc32c
+    monkeypatch.setattr(packed, "_crc32c", lambda data, value=0: crcs.append(len(data)) or real(data, value))
+    refs = {p: view.ref(p, 300, "g0") for p in files}
+    shard = view.shard_version(0)
+    inside = [p for p, r in refs.items() if r.offset // 1024 == (r.offset + 299) // 1024]
+    across = [p for p in refs if p not in inside]
+    assert inside and across and "f6.bin" in inside
+    for index in range(-(-shard.size // 1024)):          # every block "arrives", as a GET brings it
+        view._check_block(shard, index * 1024, bytes(tiers.shard[index * 1024:(index + 1) * 1024]))
+    assert len(crcs) == len(inside)                       # one check per record wholly in a block
+    crcs.clear()
+    for p in inside:
+        if p != "f6.bin":
+            assert run(view.preload, refs[p], Stream()) == files[p]
+    assert crcs == []                                     # checked on arrival: not again when read
+    for p in across:
+        assert run(view.preload, refs[p], Stream()) == files[p]
+    assert crcs == [300] * len(across)
+    with pytest.raises(CorruptRecord):                    # failed on arrival: checked, refused
+        run(view.read, refs["f6.bin"], Stream(), 0, 300)
+    assert metrics.counter_value("cachefs_packed_crc_errors_total") == 1
+    other, _, _ = packed_view(files, heal=False, corrupt="f6.bin")    # a mount that fetched nothing
+    crcs.clear()
+    assert run(other.preload, other.ref("f1.bin", 300, "g0"), Stream()) == files["f1.bin"]
+    assert crcs == [300]
+    view._check_block(packed.FileVersion(shard.path, "another-etag", shard.size), 0, bytes(1024))
+    assert view._checked[refs["f1.bin"].row]               # a block of another version: ignored
+
+
+@pytest.mark.allow_warnings
 @pytest.mark.parametrize("corrupt", ["big.bin", "a.bin"])
 def test_a_large_record_is_checked_as_it_is_read_in_order(monkeypatch, corrupt):
     from cachefs.namespace import packed

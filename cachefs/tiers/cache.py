@@ -101,6 +101,8 @@ class Tiers:
         self._flights = SingleFlight(on_join=metrics.singleflight_joins.inc)
         self._nursery: trio.Nursery | None = None
         self.on_first_read: Callable[[FileVersion], None] | None = None   # the --prefetch-dataset hook
+        # every block that comes from the store, in the trio thread (a packed view checks its records)
+        self.on_fetched: Callable[[FileVersion, int, bytes], None] | None = None
         # Hedged GETs (hedge.py) take their limiter slots themselves: the store gets an unbounded one.
         self._hedger = hedger if hedger is not None and hedger.policy.enabled and cancellable_gets(store) else None
         self._no_limit = trio.CapacityLimiter(math.inf)
@@ -140,8 +142,10 @@ class Tiers:
 
     # ---- the read path ---------------------------------------------------------------------
 
-    async def read(self, f: FileVersion, offset: int, size: int, stream: Stream | None = None) -> bytes:
-        """Bytes [offset, offset+size) of ``f``, clipped at its end."""
+    async def read(self, f: FileVersion, offset: int, size: int,
+                   stream: Stream | None = None) -> bytes | memoryview:
+        """Bytes [offset, offset+size) of ``f``, clipped at its end: a ``memoryview`` of the block
+        when they are a part of one block held by the memory tier (no copy)."""
         end = min(offset + size, f.size)
         if offset >= end:
             return b""
@@ -186,11 +190,11 @@ class Tiers:
         """One block, at most PRELOAD_MAX: the files an open hands to the kernel whole."""
         return 0 < f.size <= min(self.block_size, PRELOAD_MAX)
 
-    async def _read_block(self, f: FileVersion, index: int, lo: int, hi: int) -> bytes:
+    async def _read_block(self, f: FileVersion, index: int, lo: int, hi: int) -> bytes | memoryview:
         key = self.key(f, index)
         data = self.memory.get(key)
-        if data is not None:
-            return data[lo:hi] if (lo, hi) != (0, len(data)) else data
+        if data is not None:        # a part is a view, not a copy: FUSE and the crc32c take any buffer
+            return memoryview(data)[lo:hi] if (lo, hi) != (0, len(data)) else data
         if self.disk is not None:
             got = await self.disk.read_async(key, lo, hi - lo)
             if got is not None and len(got) == hi - lo:
@@ -219,11 +223,14 @@ class Tiers:
         by a second GET if it straggles (``hedge.py``)."""
         end = min(key.offset + self.block_size, f.size)
         if self._hedger is None:
-            return await self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=limiter)
-
-        def call() -> Awaitable[bytes]:
-            return self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=self._no_limit)
-        return await self._hedger.get(call, end - key.offset, limiter, busy=self.foreground_waiting)
+            data = await self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=limiter)
+        else:
+            def call() -> Awaitable[bytes]:
+                return self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=self._no_limit)
+            data = await self._hedger.get(call, end - key.offset, limiter, busy=self.foreground_waiting)
+        if self.on_fetched is not None:
+            self.on_fetched(f, key.offset, data)
+        return data
 
     def _readahead(self, f: FileVersion, start: int, window: int) -> None:
         """Start background fetches for the blocks in [start, start+window); drop when busy."""
