@@ -126,7 +126,9 @@ class PackedView:
         import numpy  # the packer extra, as the index
         self._searchsorted = numpy.searchsorted
         self._records: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._by_shard: list[np.ndarray] | None = None
+        # one sort of every row, here at start, before the mount serves (0.3 s for 10M rows packed in
+        # path order, 5 s shuffled): never in the trio thread
+        self._by_shard = index.rows_by_shard()
         self._checked = numpy.zeros(len(index), dtype=bool)
         tiers.on_fetched = self._check_block
 
@@ -258,8 +260,6 @@ class PackedView:
         """(data starts, data ends, crc32c, rows) of the shard's records, in shard order."""
         got = self._records.get(shard)
         if got is None:
-            if self._by_shard is None:
-                self._by_shard = self.index.rows_by_shard()     # one sort of every row, once
             rows = self._by_shard[shard]
             starts = self._col["data_offset"][rows]
             got = self._records[shard] = (starts, starts + self._col["data_length"][rows],
