@@ -36,8 +36,6 @@ from cachefs.store import Listing, ObjectInfo, ObjectStore
 from cachefs.tiers.cache import PRELOAD_MAX, FileVersion, Stream, Tiers
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from cachefs.packfmt.index import PackedIndex
 
 log = logging.getLogger(__name__)
@@ -125,7 +123,6 @@ class PackedView:
         self._shard_of = {f.path: number for number, f in enumerate(self._shards)}
         import numpy  # the packer extra, as the index
         self._searchsorted = numpy.searchsorted
-        self._records: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         # one sort of every row, here at start, before the mount serves (0.3 s for 10M rows packed in
         # path order, 5 s shuffled): never in the trio thread
         self._by_shard = index.rows_by_shard()
@@ -248,23 +245,15 @@ class PackedView:
         shard = self._shard_of.get(f.path)
         if shard is None or f.etag != self._shards[shard].etag:
             return
-        starts, ends, crcs, rows = self._shard_records(shard)
+        rows = self._by_shard[shard]                     # the shard's records, in shard order
+        starts = self._col["data_offset"][rows]
+        ends = starts + self._col["data_length"][rows]
         lo = int(self._searchsorted(starts, offset))
         hi = int(self._searchsorted(ends, offset + len(data), side="right"))
         view = memoryview(data)
         for i in range(lo, hi):
             start = int(starts[i]) - offset
-            self._checked[rows[i]] = _crc32c(view[start:int(ends[i]) - offset]) == crcs[i]
-
-    def _shard_records(self, shard: int) -> tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]:
-        """(data starts, data ends, crc32c, rows) of the shard's records, in shard order."""
-        got = self._records.get(shard)
-        if got is None:
-            rows = self._by_shard[shard]
-            starts = self._col["data_offset"][rows]
-            got = self._records[shard] = (starts, starts + self._col["data_length"][rows],
-                                          self._col["crc32c"][rows], rows)
-        return got
+            self._checked[rows[i]] = _crc32c(view[start:int(ends[i]) - offset]) == self._col["crc32c"][rows[i]]
 
     def _stream_check(self, ref: PackedRef, offset: int, end: int, data: bytes) -> None:
         if not offset <= ref.stream_end < end:
