@@ -528,7 +528,6 @@ def test_a_small_record_is_checked_whole_and_refetched_once(heal):
     from cachefs.tiers.cache import Stream
     files = {"a.bin": bytes(range(256)) * 3, "b.bin": b"b" * 2000, "c.bin": b"c" * 10}
     view, tiers, metrics = packed_view(files, heal, corrupt="b.bin")
-    assert view.mode("a.bin") == 0o100755 and view.mode(".cachefs-packed/manifest.json") is None
     ref = view.ref("b.bin", 2000, "g0")
     if heal:       # the store had the right bytes: the refetch serves them, the mismatch is counted
         assert run(view.read, ref, Stream(), 100, 50) == files["b.bin"][100:150]
@@ -540,6 +539,28 @@ def test_a_small_record_is_checked_whole_and_refetched_once(heal):
     assert tiers.evicted == set(range(ref.offset // 1024, (ref.offset + ref.size - 1) // 1024 + 1))
     assert run(view.read, view.ref("c.bin", 10, "g0"), Stream(), 0, 4096) == b"c" * 10
     assert run(view.preload, view.ref("a.bin", 768, "g0"), Stream()) == files["a.bin"]
+
+
+def test_a_listed_file_carries_its_index_row_to_lookup_and_open(monkeypatch):
+    """Lookup (the mode) and open (the ref) take the row the listing found: no index search per
+    file. A file known only by path is searched for; the raw layout has no row."""
+    from cachefs.namespace.nodes import FsError
+    from cachefs.store import ObjectInfo
+    files = {"a.bin": b"a" * 10, "b.bin": b"b" * 20, "c.bin": b"c" * 30}
+    view, _, _ = packed_view(files, heal=False, corrupt="a.bin")
+    by_path = {p: view.ref(p, len(d), "g0") for p, d in files.items()}
+    listed = view.list_dir("").files
+    monkeypatch.setattr(view.index, "find", lambda path: pytest.fail(f"searched the index for {path}"))
+    assert sorted(i.path for i in listed) == sorted(files)
+    for info in listed:
+        row, mode = view.locate(info.path, info)
+        assert (row, mode) == (by_path[info.path].row, 0o100755)
+        assert view.ref(info.path, info.size, info.etag, row) == by_path[info.path]
+    assert view.locate(".cachefs-packed/manifest.json", None) == (-1, None)
+    monkeypatch.undo()
+    assert view.locate("b.bin", ObjectInfo("b.bin", 20, 1.0, "g0")) == (by_path["b.bin"].row, 0o100755)
+    with pytest.raises(FsError):
+        view.locate("gone.bin", None)
 
 
 @pytest.mark.allow_warnings

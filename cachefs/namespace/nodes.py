@@ -37,7 +37,7 @@ class FsStats:
 
 class Node:
     __slots__ = ("inode", "path", "is_dir", "size", "mtime", "etag", "checked_at", "lookups",
-                 "opens", "kernel_etag", "staged", "packed", "mode")
+                 "opens", "kernel_etag", "staged", "packed", "mode", "row")
 
     def __init__(self, inode: int, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> None:
         self.inode = inode
@@ -53,6 +53,7 @@ class Node:
         self.staged: StagedFile | None = None  # written here, not (yet) retired to the store
         self.packed = None          # a packed dataset's file: where its bytes are (namespace/packed.py)
         self.mode: int | None = None  # st_mode a packed dataset's index records (None: the mount's file mode)
+        self.row = -1               # a packed dataset's file: its index row (-1: not known)
 
     def show(self, entry: StagedFile) -> None:
         self.staged = entry

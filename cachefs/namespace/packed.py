@@ -91,6 +91,14 @@ class PackedRef:
     stream_end: int = 0           # bytes [0, stream_end) were read in order into stream_crc
 
 
+@dataclass(frozen=True, slots=True)
+class PackedInfo(ObjectInfo):
+    """A packed file as its directory lists it, with its index row: lookup and open take the row
+    from here and never search the index again (two binary searches of path strings per file)."""
+
+    row: int = -1
+
+
 def is_raw(path: str) -> bool:
     return path == PACKED_DIR or path.startswith(PACKED_DIR + "/")
 
@@ -144,24 +152,31 @@ class PackedView:
                            raw.dirs)
         rows, dirs = self.index.list_dir(path)
         c = self._col
-        return Listing([ObjectInfo(self.index.path(r), int(c["data_length"][r]), float(c["mtime"][r]),
-                                   f"g{c['generation'][r]}") for r in rows], dirs)
+        return Listing([PackedInfo(self.index.path(r), int(c["data_length"][r]), float(c["mtime"][r]),
+                                   f"g{c['generation'][r]}", r) for r in rows], dirs)
 
-    def ref(self, path: str, size: int, etag: str) -> PackedRef:
-        """Where the bytes of the file at ``path`` (as the node shows it) are."""
+    def locate(self, path: str, info: ObjectInfo | None) -> tuple[int, int | None]:
+        """The index row of the file at ``path`` (listed as ``info``) and the st_mode the index
+        records for it; (-1, None) for an object of the raw layout."""
         if is_raw(path):
-            return PackedRef(FileVersion(_store_path(path), etag, size), 0, size, None)
-        row = self.index.find(path)
+            return -1, None
+        row = info.row if isinstance(info, PackedInfo) and info.row >= 0 else self.index.find(path)
         if row is None:
             raise FsError(errno.ENOENT, f"{path}: not in the packed index")
+        return row, int(self._col["mode"][row])
+
+    def ref(self, path: str, size: int, etag: str, row: int = -1) -> PackedRef:
+        """Where the bytes of the file at ``path`` (as the node shows it; ``row`` its index row if
+        known) are."""
+        if is_raw(path):
+            return PackedRef(FileVersion(_store_path(path), etag, size), 0, size, None)
+        if row < 0:
+            row = self.index.find(path)
+            if row is None:
+                raise FsError(errno.ENOENT, f"{path}: not in the packed index")
         c = self._col
         return PackedRef(self._shards[c["shard"][row]], int(c["data_offset"][row]), int(c["data_length"][row]),
                          int(c["crc32c"][row]), row)
-
-    def mode(self, path: str) -> int | None:
-        """The st_mode the index records for ``path`` (None for the raw layout's objects)."""
-        row = None if is_raw(path) else self.index.find(path)
-        return None if row is None else int(self._col["mode"][row])
 
     # ---- reads --------------------------------------------------------------------------------
     async def read(self, ref: PackedRef, stream: Stream, offset: int, size: int) -> bytes:
@@ -214,9 +229,11 @@ class PackedView:
         if start == 0:
             return stream
         bs = self.tiers.block_size
+        asked = self._asked[path]
+        if len(asked) * bs >= ref.file.size:
+            return None                  # every block asked for once: an epoch's usual case, decided at once
         window = min(max(stream.window * 2, bs), self.tiers.readahead_size)
         ahead = range(stop // bs, (min(stop + window, ref.file.size) - 1) // bs + 1)
-        asked = self._asked[path]
         if all(i in asked for i in ahead):
             return None
         asked.update(ahead)

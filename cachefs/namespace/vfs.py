@@ -193,7 +193,8 @@ class Vfs:
     def _file_node(self, path: str, info: ObjectInfo) -> Node:
         if self.packed is not None:
             node = self._node_for(path, False, info)
-            node.mode = self.packed.mode(path) if node.mode is None else node.mode   # from the index
+            if node.mode is None:
+                node.row, node.mode = self.packed.locate(path, info)   # the mode from the index
             return node
         entry = self.wb.staged(path) if self.wb is not None else None
         if entry is None:
@@ -282,7 +283,7 @@ class Vfs:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             log.info("%s: refused a write (EROFS): a packed dataset is read-only; repack to change it", node.path)
             raise FsError(errno.EROFS)
-        node.packed = self.packed.ref(node.path, node.size, node.etag)   # verified anew by each open
+        node.packed = self.packed.ref(node.path, node.size, node.etag, node.row)   # verified anew by each open
         keep_cache = node.kernel_etag == node.etag
         node.kernel_etag = node.etag
         fh = self.new_fh()
