@@ -119,6 +119,12 @@ class MemoryBucket:
         info = store.inner.head(path)         # not counted
         return FileVersion(path, info.etag, info.size)
 
+    def one_file(self, data: bytes) -> tuple[bytes, CountingStore, FileVersion]:
+        """``data`` as the object "f": the bytes, a fresh store over the bucket, f's version."""
+        self.put("f", data)
+        store = self.store()
+        return data, store, self.version(store, "f")
+
     def remove(self) -> None:
         self.fs.rm(self.fs._strip_protocol(self.url), recursive=True)
 
@@ -170,10 +176,7 @@ async def until(predicate, timeout: float = 5.0) -> None:
 # --- single flight ------------------------------------------------------------------------------
 
 def test_concurrent_misses_of_one_block_share_one_get(bucket_mem):
-    data = blob(1, 2 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(1, 2 * BS))
     cache = make_cache(store, Metrics())
     got = []
 
@@ -217,10 +220,7 @@ def test_singleflight_joins_are_exported_as_a_metric(bucket_mem):
 
 
 def test_a_failing_leader_fails_every_follower_and_a_later_read_retries(bucket_mem):
-    data = blob(2, BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(2, BS))
     cache = make_cache(store, Metrics())
     errors = []
 
@@ -254,10 +254,7 @@ def test_a_lookup_readahead_is_in_flight_at_once_and_the_open_joins_it(bucket_me
     """The open right after a lookup joins the lookup's GET even when the readahead's task has
     not run yet: the flight exists when ``readahead_file`` returns (before, an open whose own GET
     ended first left the readahead to fetch the file a second time)."""
-    data = blob(4, BS // 2)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(4, BS // 2))
     metrics = Metrics()
     cache = make_cache(store, metrics, readahead_at_lookup=True)
 
@@ -290,10 +287,7 @@ def test_a_lookup_readahead_is_in_flight_at_once_and_the_open_joins_it(bucket_me
 
 
 def test_a_failed_lookup_readahead_fails_its_joiners_once_and_the_read_retries(bucket_mem):
-    data = blob(5, BS // 2)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(5, BS // 2))
     metrics = Metrics()
     cache = make_cache(store, metrics, readahead_at_lookup=True)
 
@@ -312,10 +306,7 @@ def test_a_failed_lookup_readahead_fails_its_joiners_once_and_the_read_retries(b
 
 @pytest.mark.allow_warnings
 def test_an_unexpected_error_in_a_lookup_readahead_is_logged_and_stops_nothing(bucket_mem, caplog):
-    data = blob(6, BS // 2)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(6, BS // 2))
     metrics = Metrics()
     cache = make_cache(store, metrics, readahead_at_lookup=True)
 
@@ -375,10 +366,7 @@ def test_a_started_call_cancelled_before_it_ends_hands_the_lead_to_a_joiner():
 # --- the tiers ----------------------------------------------------------------------------------
 
 def test_read_spanning_three_blocks_then_memory_then_disk_tier(bucket_mem, tmp_path):
-    data = blob(3, 3 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(3, 3 * BS))
     metrics = Metrics()
     disk = make_disk(tmp_path / "disk", metrics)
 
@@ -407,10 +395,7 @@ def test_read_spanning_three_blocks_then_memory_then_disk_tier(bucket_mem, tmp_p
 def test_every_block_from_the_store_is_shown_to_on_fetched_and_memory_parts_are_views(bucket_mem, tmp_path):
     """``Tiers.on_fetched`` sees each block a GET brings (a read's, a warm's), once, at its offset:
     the packed view checks its records there. A part of a memory-tier block is a view of it."""
-    data = blob(5, 3 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(5, 3 * BS))
     metrics = Metrics()
     disk = make_disk(tmp_path / "disk", metrics)
     seen = []
@@ -429,10 +414,7 @@ def test_every_block_from_the_store_is_shown_to_on_fetched_and_memory_parts_are_
 
 
 def test_reads_clip_at_the_end_of_the_object(bucket_mem):
-    data = blob(4, 2 * BS + 100)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(4, 2 * BS + 100))
     cache = make_cache(store, Metrics())
 
     async def main():
@@ -468,10 +450,7 @@ def test_block_key_pins_the_version(bucket_mem):
 # --- readahead ----------------------------------------------------------------------------------
 
 def test_sequential_reads_trigger_readahead(bucket_mem):
-    data = blob(7, 3 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(7, 3 * BS))
     metrics = Metrics()
     cache = make_cache(store, metrics)
     stream = Stream()
@@ -489,10 +468,7 @@ def test_sequential_reads_trigger_readahead(bucket_mem):
 
 
 def test_random_reads_do_not_trigger_readahead(bucket_mem):
-    data = blob(8, 4 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(8, 4 * BS))
     metrics = Metrics()
     cache = make_cache(store, metrics)
     stream = Stream()
@@ -508,10 +484,7 @@ def test_random_reads_do_not_trigger_readahead(bucket_mem):
 
 
 def test_readahead_is_dropped_not_queued_when_readahead_slots_are_busy(bucket_mem):
-    data = blob(9, 6 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(9, 6 * BS))
     metrics = Metrics()
     cache = make_cache(store, metrics, max_readaheads=1)
 
@@ -537,10 +510,7 @@ def test_readahead_is_dropped_not_queued_when_readahead_slots_are_busy(bucket_me
 
 
 def test_a_window_wider_than_the_free_slots_reads_ahead_what_fits(bucket_mem):
-    data = blob(10, 5 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(10, 5 * BS))
     metrics = Metrics()
     cache = make_cache(store, metrics, max_readaheads=1)
     stream = Stream()
@@ -559,10 +529,7 @@ def test_a_window_wider_than_the_free_slots_reads_ahead_what_fits(bucket_mem):
 
 
 def test_a_stalled_readahead_never_queues_a_foreground_read(bucket_mem):
-    data = blob(11, 6 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(11, 6 * BS))
     cache = make_cache(store, Metrics(), max_fetches=1, max_readaheads=1)
 
     async def main():
@@ -583,10 +550,7 @@ def test_a_stalled_readahead_never_queues_a_foreground_read(bucket_mem):
 def test_a_block_being_written_to_disk_is_read_and_warmed_without_a_second_get(bucket_mem, tmp_path):
     """A block fetched whole (so not kept in memory) whose disk fill is still being written: a
     reader takes the fill's bytes, and a warm of it waits for the fill; neither GETs it again."""
-    data = blob(9, 2 * BS)
-    bucket_mem.put("f", data)
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    data, store, f = bucket_mem.one_file(blob(9, 2 * BS))
     metrics = Metrics()
     disk = make_disk(tmp_path / "disk", metrics)
     entered, release = threading.Event(), threading.Event()

@@ -410,9 +410,9 @@ class AsyncGetter:
             conn.received += got - have
             view.release()
             if timed_out:
-                raise TimeoutError(f"no data from {self._base} for {self._read_timeout:g} s")
+                raise self._stalled()
             if got < length:
-                raise ConnectionError("connection closed by the server")
+                raise _closed()
             return fresh.finish(body)
         with trio.CancelScope() as scope:
             while have < length:
@@ -424,11 +424,11 @@ class AsyncGetter:
                     got = len(data)
                     view[have:have + got] = data
                 if not got:
-                    raise ConnectionError("connection closed by the server")
+                    raise _closed()
                 have += got
                 conn.received += got
         if scope.cancelled_caught:
-            raise TimeoutError(f"no data from {self._base} for {self._read_timeout:g} s")
+            raise self._stalled()
         view.release()
         return fresh.finish(body)
 
@@ -467,14 +467,17 @@ class AsyncGetter:
         del conn.buffer[:end + 2]
         return line
 
+    def _stalled(self) -> TimeoutError:
+        return TimeoutError(f"no data from {self._base} for {self._read_timeout:g} s")
+
     async def _receive(self, conn: _Connection, max_bytes: int, *, eof_ok: bool) -> int:
         """Append up to ``max_bytes`` to the buffer; the count, 0 at the end of the stream."""
         with trio.move_on_after(self._read_timeout) as scope:
             data = await conn.stream.receive_some(max_bytes)
         if scope.cancelled_caught:
-            raise TimeoutError(f"no data from {self._base} for {self._read_timeout:g} s")
+            raise self._stalled()
         if not data and not eof_ok:
-            raise ConnectionError("connection closed by the server")
+            raise _closed()
         conn.buffer += data
         conn.received += len(data)
         return len(data)
@@ -531,6 +534,10 @@ class AsyncGetter:
     def _abandon(stream: trio.abc.Stream | None) -> None:
         if stream is not None:
             _Connection(stream).close()
+
+
+def _closed() -> ConnectionError:
+    return ConnectionError("connection closed by the server")
 
 
 def _receive_blocking(fd: int, view: memoryview, have: int, length: int, timeout: float,
