@@ -149,9 +149,12 @@ def test_a_rerun_baseline_counts_as_the_mean_of_both_rows():
         return {"name": "x", "files_per_s": files_per_s, "mb_per_s": 1.0, "seconds": 1.0, "ok": ok}
 
     rows = {"boto3": row(100.0), "boto3_again": row(300.0), "packed_cold": row(1000.0),
+            "unpacked_disk": row(1000.0), "unpacked_disk_again": row(1500.0),
             "local_loader": row(1000.0), "local_loader_again": row(500.0, ok=False), "loader_warm": row(900.0)}
     rats = {r["label"].split(" (")[0]: r for r in bench_packed.ratios(rows, files=10_000)}
     assert rats["packed mount cold / boto3"]["value"] == 5.0       # 1000 / mean(100, 300)
+    assert rats["packed mount cold / unpacked disk tier"]["value"] == 0.8   # 1000 / mean(1000, 1500)
+    assert "mean of the rows before and after" in rats["packed mount cold / unpacked disk tier"]["label"]
     assert "mean of the rows before and after" in rats["packed mount cold / boto3"]["label"]
     assert rats["loader warm / local disk"]["value"] == 0.9         # a failed rerun is left out
     assert "mean" not in rats["loader warm / local disk"]["label"]
@@ -163,6 +166,9 @@ def test_baselines_rerun_only_around_the_rows_compared_with_them():
     assert not bench_packed.wanted("boto3_again", ["packed_mount"])
     assert bench_packed.wanted("local_again", ["local", "loader"])
     assert not bench_packed.wanted("local_again", ["local"])
+    assert bench_packed.wanted("unpacked_disk_again", ["packed_mount", "unpacked_mount"])
+    assert not bench_packed.wanted("unpacked_disk_again", ["unpacked_mount"])
+    assert not bench_packed.wanted("unpacked_disk_again", ["packed_mount"])
     assert bench_packed.wanted("pack", ["pack"]) and not bench_packed.wanted("pack", ["local"])
 
 
