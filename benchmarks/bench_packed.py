@@ -221,6 +221,8 @@ class Bench:
         cache = self.args.workdir / "cache-unpacked"
         rows = (("unpacked_disk_again", f"disk tier, page cache dropped{AGAIN}"),) if again else \
             (("unpacked_cold", "cold"), ("unpacked_disk", "disk tier, page cache dropped"))
+        if again and not (self.rows.get("unpacked_disk") or {}).get("ok"):
+            return                     # no disk tier to read again: a cold epoch is no baseline
         if not again:
             shutil.rmtree(cache, ignore_errors=True)
         for key, label, in rows:

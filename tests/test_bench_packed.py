@@ -172,6 +172,16 @@ def test_baselines_rerun_only_around_the_rows_compared_with_them():
     assert bench_packed.wanted("pack", ["pack"]) and not bench_packed.wanted("pack", ["local"])
 
 
+def test_the_disk_tier_baseline_reruns_only_over_the_cache_its_first_row_left(tmp_path):
+    bench = bench_packed.Bench(bench_packed.parse_args(["--workdir", str(tmp_path)]), [])
+    mounted = []
+    bench.mount = lambda *args: mounted.append(args) or pytest.fail("mounted without a disk tier to read")
+    bench.unpacked_mount_rows("http://127.0.0.1:1", again=True)          # no first row: nothing runs
+    bench.rows["unpacked_disk"] = {"ok": False}
+    bench.unpacked_mount_rows("http://127.0.0.1:1", again=True)          # a failed one: neither
+    assert mounted == [] and "unpacked_disk_again" not in bench.rows
+
+
 def test_packed_root_finds_the_layout(tmp_path):
     assert bench_packed.packed_root(tmp_path) is None
     (tmp_path / ".cachefs-packed").mkdir()
