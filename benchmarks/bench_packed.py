@@ -219,12 +219,13 @@ class Bench:
         ``again``, only the disk-tier epoch once more (the cache the first left behind), after the
         packed mount's row that is compared with it."""
         cache = self.args.workdir / "cache-unpacked"
-        rows = (("unpacked_disk_again", f"disk tier, page cache dropped{AGAIN}"),) if again else \
-            (("unpacked_cold", "cold"), ("unpacked_disk", "disk tier, page cache dropped"))
-        if again and not (self.rows.get("unpacked_disk") or {}).get("ok"):
-            return                     # no disk tier to read again: a cold epoch is no baseline
-        if not again:
+        if again:
+            if not (self.rows.get("unpacked_disk") or {}).get("ok"):
+                return                 # no disk tier to read again: a cold epoch is no baseline
+            rows = (("unpacked_disk_again", f"disk tier, page cache dropped{AGAIN}"),)
+        else:
             shutil.rmtree(cache, ignore_errors=True)
+            rows = (("unpacked_cold", "cold"), ("unpacked_disk", "disk tier, page cache dropped"))
         for key, label, in rows:
             name = f"cachefs mount, unpacked, {label}, {self.args.readers} readers"
             with self.mount(f"s3://{BUCKET}/{SRC}", endpoint_url, cache) as mnt:

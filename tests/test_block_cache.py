@@ -201,9 +201,7 @@ def test_concurrent_misses_of_one_block_share_one_get(bucket_mem):
 
 
 def test_singleflight_joins_are_exported_as_a_metric(bucket_mem):
-    bucket_mem.put("f", blob(1, BS))
-    store = bucket_mem.store()
-    f = bucket_mem.version(store, "f")
+    _, store, f = bucket_mem.one_file(blob(1, BS))
     metrics = Metrics()
     cache = make_cache(store, metrics)
 
