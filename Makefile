@@ -1,17 +1,27 @@
 # Two entry points: `make demo` (the whole job on a local S3 server) and `make test`.
-# Both install what they need: Debian's fuse3/libfuse3-dev/pkg-config and Ceph's mon/osd/mgr/radosgw
-# (tests/test_rgw.py runs a throw-away Ceph RGW) as root, and a virtualenv.
+# `make demo` installs only what the demo uses: Debian's fuse3, libfuse3-dev and pkg-config (the
+# FUSE runtime and pyfuse3's build), and a virtualenv with cachefs and its `server` extra (moto).
+# `make test` adds Ceph's mon/osd/mgr/radosgw (tests/test_rgw.py runs a throw-away Ceph RGW) and
+# the `test` extra (torch CPU, SeaweedFS, rclone, hypothesis, ...). apt runs only as root.
 PYTHON ?= python3
 VENV   := .venv
+DEMO_STAMP := $(VENV)/.demo-installed
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench deps clean
+.PHONY: demo test lint bench deps demo-deps clean
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/cachefs demo
+
+# The FUSE tests that run a second time through the pyfuse3 fallback backend (the differential
+# test drives both in one run).
+PYFUSE3_TESTS := tests/test_mount_read.py tests/test_writeback_mount.py tests/test_consistency.py \
+	tests/test_control_mount.py tests/test_open_deadlock.py tests/test_packed_mount.py \
+	tests/test_empty_prefix.py tests/test_hedge_mount.py
 
 test: lint
 	$(VENV)/bin/pytest -q -ra --durations=25
+	CACHEFS_FUSE_BACKEND=pyfuse3 $(VENV)/bin/pytest -q -ra $(PYFUSE3_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(wildcard cachefs warmup packer csi tests benchmarks)
@@ -20,8 +30,10 @@ bench: $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	$(VENV)/bin/python benchmarks/bench_read.py --quick
 
-deps:
+demo-deps:
 	@$(call apt_install,fuse3 libfuse3-dev pkg-config gcc,)
+
+deps: demo-deps
 	@$(call apt_install,ceph-mon ceph-osd ceph-mgr radosgw,--no-install-recommends)
 
 # $(1): Debian packages; $(2): extra apt-get flags. Installs the missing ones (root only).
@@ -32,11 +44,16 @@ if [ -n "$$missing" ]; then \
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) $$missing; fi
 endef
 
+$(DEMO_STAMP): pyproject.toml | demo-deps
+	[ -x $(VENV)/bin/pip ] || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[server]'
+	touch $(DEMO_STAMP)
+
 $(STAMP): pyproject.toml | deps
-	$(PYTHON) -m venv $(VENV)
+	[ -x $(VENV)/bin/pip ] || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,4 +1,4 @@
-"""The packed benchmark (issue 11): `cachefs pack`, the native loader and the packed mount beside
+"""The packed benchmark: `cachefs pack`, the native loader and the packed mount beside
 boto3, local disk, the unpacked mount and four peers (MosaicML Streaming, LitData, WebDataset,
 s3torchconnector), on one S3 server behind the latency proxy, in one run.
 
@@ -35,7 +35,7 @@ MiB = 1 << 20
 BUCKET, SRC, PACKED, COPY = "bench", "imagenet", "packed", "copy"
 VERIFY_EVERY = 10
 STEPS = ("local", "boto3", "pack", "loader", "unpacked_mount", "packed_mount", "peers")
-# The DataLoader rows' batch size: the PyTorch ImageNet example's loader config (DESIGN.md §3, batch
+# The DataLoader rows' batch size: the PyTorch ImageNet example's loader config (docs/design.md, measured facts, batch
 # 128, 8 workers). Training code takes batches; one sample per item (--batch-size 0) measures
 # DataLoader's own per-item cost (its queues and profiler scope in the training process) as much as
 # the dataset's.

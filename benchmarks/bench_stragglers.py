@@ -1,4 +1,4 @@
-"""Stragglers (issue 13): per-file latency of a cold read with and without hedged GETs.
+"""Stragglers: per-file latency of a cold read with and without hedged GETs.
 
 A local S3 server (SeaweedFS by default, or moto) sits behind the latency proxy
 (``latency_proxy.py``, in its own process) adding ``--latency-ms`` (10 ms) per request
@@ -9,7 +9,7 @@ each open+read+close. Runs alternate hedging off (``--hedge-budget 0``) and on (
 ``--runs`` of each, each with a fresh proxy, mount and cache. Reported per mode: p50, p99,
 max per-file latency over all its runs, GETs per file and hedges (won/lost).
 
-Targets (DESIGN §4): p99 with hedging <= 0.5x without; extra GETs <= 5%.
+Targets (docs/design.md, components): p99 with hedging <= 0.5x without; extra GETs <= 5%.
 
     .venv/bin/python benchmarks/bench_stragglers.py
     .venv/bin/python benchmarks/bench_stragglers.py --server moto --files 500 --runs 1

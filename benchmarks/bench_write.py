@@ -1,4 +1,4 @@
-"""Write-back benchmark (issue 4): a checkpoint and a log through a real mount, ratios in one run.
+"""Write-back benchmark: a checkpoint and a log through a real mount, ratios in one run.
 
     .venv/bin/python -m benchmarks.bench_write [--size 1G] [--part-size 16M] [--concurrency 8]
         [--backend seaweedfs|moto] [--profile DIR]

@@ -59,13 +59,13 @@ def is_mounted(path: Path) -> bool:
 class CachefsMount:
     """One ``cachefs mount`` (a daemon process) for the life of the ``with`` block."""
 
-    def __init__(self, url: str, mountpoint: Path, *, endpoint_url: str, cache_dir: Path,
+    def __init__(self, url: str, mountpoint: Path, *, endpoint_url: str | None, cache_dir: Path,
                  cache_size: str = "50G", mem_cache_size: str = "1G", immutable: bool = True,
                  extra: tuple[str, ...] = (), env: dict | None = None):
         self.url = url
         self.mountpoint = Path(mountpoint)
         self.cache_dir = Path(cache_dir)
-        self.args = [url, str(self.mountpoint), "--endpoint-url", endpoint_url,
+        self.args = [url, str(self.mountpoint), *(["--endpoint-url", endpoint_url] if endpoint_url else []),
                      "--cache-dir", str(cache_dir), "--cache-size", cache_size,
                      "--mem-cache-size", mem_cache_size, "--metrics-port", "0", *extra]
         if immutable:

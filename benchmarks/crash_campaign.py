@@ -1,4 +1,4 @@
-"""Crash campaign (issue 13): SIGKILL the daemon under a mixed write-back load, restart, check.
+"""Crash campaign: SIGKILL the daemon under a mixed write-back load, restart, check.
 
 One trial: mount ``s3://BUCKET/crash`` on a cache dir; a writer process (``writer`` below, a
 separate process) appends records to logs and fsyncs them, rewrites checkpoints in place, saves

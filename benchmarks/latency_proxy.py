@@ -1,6 +1,6 @@
 """A TCP proxy that emulates a distant object store on loopback, and injects faults.
 
-The kernel here has no ``sch_netem`` (DESIGN.md §3), so benchmarks and tests put
+The kernel here has no ``sch_netem`` (docs/design.md, measured facts), so benchmarks and tests put
 this proxy between an S3 client and a local S3 server (moto, rclone, RGW):
 
     client ──> LatencyProxy(127.0.0.1:port) ──(+latency)──> upstream S3 server

@@ -1,4 +1,4 @@
-"""Load soak (issue 13): 64 concurrent readers, a warmup and a write-back upload at once, for N minutes.
+"""Load soak: 64 concurrent readers, a warmup and a write-back upload at once, for N minutes.
 
 One mount of a moto bucket (started here) holds a read dataset (``read/``), a second dataset that
 ``cachefs warmup`` warms, evicts and warms again in a loop (``warm/``), and a writable prefix where a

@@ -44,7 +44,7 @@ PEER_LABELS = {"streaming": "MosaicML Streaming (MDS)", "litdata": "LitData (opt
 def pack_run(src: str, dst: str, endpoint_url: str, concurrency: int, shard_size: str,
              env: dict) -> dict:
     """Run ``cachefs pack SRC DST``; seconds, exit code, peak RSS (bytes), the JSON summary."""
-    cmd = cachefs_command() + ["pack", src, dst, "--endpoint-url", endpoint_url, "--json",
+    cmd = cachefs_command() + ["pack", src, dst, *(["--endpoint-url", endpoint_url] if endpoint_url else []), "--json",
                                "--concurrency", str(concurrency), "--shard-size", shard_size]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)

@@ -7,26 +7,32 @@ import os
 import signal
 import sys
 
-from cachefs import __version__, launcher
+from cachefs import __version__, errors, launcher
 from cachefs.config import MountConfig, build_config, load_toml, option_fields, render_default
-from cachefs.errors import CachefsError, ExitCode, MountpointError, StartTimeout, UsageError
+from cachefs.errors import CachefsError, ExitCode, UsageError, exit_codes_help
+from cachefs.extras import require
+from cachefs.host import check_cache_fs
 
 log = logging.getLogger("cachefs")
 
-EXIT_CODES = """exit codes:
-  0 success            1 internal error (see the log)   2 bad arguments or config
-  3 bucket/prefix not found   4 credentials refused       5 object store unreachable
-  6 mountpoint missing, busy or not mounted               7 /dev/fuse or fusermount3 missing
-  8 cache dir unwritable or full   9 no daemon at that mountpoint
-  10 timed out (mount not ready; sync --wait or umount could not upload all in time)
-  13 refused: only root and the mount's owner may change it (sync, warmup, evict, pin)
-  14 the daemon does not support that command or protocol (remount with this version)"""
+EXIT_CODES = exit_codes_help(c for c in errors.EXIT_CODES if c < 21 and c not in (11, 12))
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        self.print_usage(sys.stderr)
-        self.exit(ExitCode.USAGE, f"cachefs: error: {message}\n")
+        """One short usage line and the error (argparse's own usage of `mount` runs to ~55 lines)."""
+        self.exit(ExitCode.USAGE, f"usage: {short_usage(self)}\ncachefs: error: {message}\n")
+
+
+def short_usage(parser: argparse.ArgumentParser) -> str:
+    """``PROG POSITIONAL... [options]``: the command's shape on one line, --help for the rest."""
+    words = [parser.prog]
+    for action in parser._actions:
+        if not action.option_strings and not isinstance(action, argparse._SubParsersAction):
+            words.append(action.metavar if isinstance(action.metavar, str) else action.dest.upper())
+        elif isinstance(action, argparse._SubParsersAction):
+            words.append("COMMAND")
+    return " ".join(words) + " [options] (--help for more)"
 
 
 # ---- mount ---------------------------------------------------------------------------------------
@@ -55,6 +61,9 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    warning = check_cache_fs(cfg.cache_dir, cfg.cache_size)
+    if warning:
+        print(f"cachefs: warning: {warning}", file=sys.stderr)
     if cfg.foreground:
         from cachefs.daemon import serve
         launcher.setup_logging(cfg, to_stderr=True)
@@ -77,41 +86,16 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 # ---- umount, sync, status ----------------------------------------------------------------------------
 def cmd_umount(args: argparse.Namespace) -> int:
-    from cachefs.control.client import request
-
     mountpoint = os.path.abspath(args.mountpoint)
-    if not launcher.is_cachefs_mount(mountpoint):
-        raise MountpointError(f"{mountpoint} is not a mounted cachefs filesystem")
-    pid = None
-    try:
-        pid = next(request(mountpoint, "status"))["pid"]
-    except (CachefsError, StopIteration, KeyError):
-        pass   # a dead daemon leaves a stale mount: unmount it all the same
-    if pid is not None and args.drain:
-        _drain(mountpoint, args.timeout)
-    launcher.unmount(mountpoint, lazy=args.lazy)
-    if pid is not None and not launcher.wait_exit(pid, args.timeout):
-        print(f"cachefs: warning: daemon pid {pid} still running after {args.timeout:.0f} s", file=sys.stderr)
+    stopped = launcher.stop(mountpoint, timeout=args.timeout, drain=args.drain, lazy=args.lazy)
+    if stopped.still_running and args.lazy:
+        print(f"cachefs: detached {mountpoint}; the daemon (pid {stopped.pid}) serves the files still open "
+              f"and exits when the last one is closed", file=sys.stderr)
+        return 0
+    if stopped.still_running:
+        print(f"cachefs: warning: daemon pid {stopped.pid} still running after {args.timeout:.0f} s", file=sys.stderr)
     print(f"cachefs: unmounted {mountpoint}", file=sys.stderr)
     return 0
-
-
-def _drain(mountpoint: str, timeout: float) -> None:
-    """Upload everything staged before unmounting; refuse to unmount if it does not finish in time."""
-    from cachefs.control.client import hello, request
-
-    if "sync" not in hello(mountpoint)["commands"]:
-        return          # a read-only mount: nothing to drain
-    final = {}
-    for reply in request(mountpoint, "sync", wait=True, timeout=timeout):
-        final = reply
-    if final.get("done", True):
-        return
-    left = final["pending"]
-    raise StartTimeout(f"{left['files']} file(s) ({left['bytes']} bytes) and {left['operations']} operation(s) "
-                       f"not uploaded after {timeout:.0f} s (errors: {'; '.join(left['errors']) or 'none'}); "
-                       f"still mounted. They stay staged: retry, or `cachefs umount --no-drain` to unmount "
-                       f"now and upload them at the next mount of this cache dir")
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
@@ -145,6 +129,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    require("server", "cachefs demo")
     from cachefs.demo.run import run_demo
     return run_demo(files=args.files, large_size=args.large_size, workdir=args.workdir)
 
@@ -152,7 +137,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---- parser ------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cachefs", description="A caching FUSE filesystem for ML datasets on S3 / Ceph RGW.",
-                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                     epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 

@@ -1,7 +1,7 @@
 """Mount configuration: one frozen dataclass, loaded from defaults < TOML file < flags.
 
 Every option has a TOML key of the same name and a flag ``--name-with-dashes``;
-``cachefs mount --help`` and the README list them all. Sizes accept suffixes
+``cachefs mount --help`` and docs/usage.md list them all. Sizes accept suffixes
 (``512M``, ``50G``, ``1.5T``; powers of 1024). Secrets are not options: S3
 credentials come from the standard AWS chain (environment, profile, files).
 """
@@ -68,12 +68,13 @@ def parse_patterns(value, name: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class MountConfig:
-    """Everything a daemon needs. ``help`` metadata feeds the CLI and the README table."""
+    """Everything a daemon needs. ``help`` metadata feeds the CLI and the docs/usage.md table."""
 
     url: str = field(metadata={"help": "dataset URL: s3://BUCKET[/PREFIX], file:///DIR, memory://..."})
     mountpoint: str = field(metadata={"help": "an existing empty directory"})
     endpoint_url: str | None = field(default=None, metadata={
-        "help": "S3 endpoint (Ceph RGW, MinIO, a local server); default AWS"})
+        "help": "S3 endpoint (Ceph RGW, MinIO, a local server): http(s)://HOST[:PORT]; default AWS",
+        "endpoint": True})
     region: str | None = field(default=None, metadata={"help": "S3 region (default from the AWS chain)"})
     profile: str | None = field(default=None, metadata={"help": "AWS profile name in the credentials file"})
     cache_dir: str = field(default_factory=default_cache_dir, metadata={
@@ -135,9 +136,10 @@ class MountConfig:
         "help": "kernel readahead of the mount (sysfs bdi read_ahead_kb)"})
     fuse_max_background: int = field(default=64, metadata={
         "help": "kernel FUSE max_background (concurrent async requests)"})
-    fuse_fast_intake: bool = field(default=True, metadata={
-        "help": "a FUSE worker back from a request reads the next queued one at once, not after "
-                "two scheduler passes"})
+    fuse_backend: str = field(default_factory=lambda: os.environ.get("CACHEFS_FUSE_BACKEND", "cachefs"), metadata={
+        "help": "who speaks the FUSE protocol: cachefs (its own layer over /dev/fuse) or pyfuse3 "
+                "(libfuse 3; kept for one release). The default comes from $CACHEFS_FUSE_BACKEND if set",
+        "shown": "cachefs"})
     metrics_port: int = field(default=9567, metadata={
         "help": "Prometheus port on metrics_host (next free one if taken); 0 disables"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus listen address"})
@@ -183,6 +185,8 @@ class MountConfig:
         "help": "parallel uploads of log-class files (kept apart from checkpoint uploads)"})
     drain_timeout: float = field(default=60.0, metadata={
         "help": "seconds the daemon keeps uploading staged files when it stops"})
+    volume_id: str | None = field(default=None, metadata={
+        "help": "a name for this mount in the cachefs_mount_info metric (the CSI driver sets the volume id)"})
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -212,6 +216,31 @@ def option_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(MountConfig) if f.name not in ("url", "mountpoint")]
 
 
+_SIGNED_QUERY = re.compile(r"(?i)[?&](x-amz-(credential|signature|security-token)|awsaccesskeyid|signature)=")
+_HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?$")
+
+
+def parse_endpoint(endpoint: str) -> str:
+    """Check an S3 endpoint URL (``--endpoint-url``, a CSI volume's ``endpoint``): ``http://`` or
+    ``https://`` then a host and an optional port and path; raise ConfigError (one line) if not.
+    Returns it without a trailing '/'."""
+    scheme, sep, rest = endpoint.partition("://")
+    host = rest.partition("/")[0]
+    if "@" in host or _SIGNED_QUERY.search(rest):
+        raise ConfigError("the endpoint URL must not carry credentials; use the environment or a credentials file")
+    if not sep or scheme.lower() not in ("http", "https"):
+        raise ConfigError(f"endpoint URL {_short(endpoint)} needs a scheme: http://HOST[:PORT] or https://HOST[:PORT]")
+    port = host.rpartition(":")[2] if ":" in host and not host.endswith("]") else None
+    if not _HOST_RE.match(host) or "?" in rest or "#" in rest or (port is not None and not 0 < int(port) < 65536):
+        raise ConfigError(f"endpoint URL {_short(endpoint)} is malformed: expected http(s)://HOST[:PORT][/PATH]")
+    return endpoint.rstrip("/")
+
+
+def _short(text: str) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 def _validate(cfg: MountConfig) -> None:
     def need(ok: bool, message: str) -> None:
         if not ok:
@@ -238,6 +267,7 @@ def _validate(cfg: MountConfig) -> None:
     need(0 <= cfg.file_mode <= 0o7777 and 0 <= cfg.dir_mode <= 0o7777, "modes must be in 0000..7777")
     need(bool(cfg.mountpoint), "a mountpoint is required")
     need(cfg.fsync in ("local", "remote"), "fsync must be local or remote")
+    need(cfg.fuse_backend in ("cachefs", "pyfuse3"), "fuse_backend must be cachefs or pyfuse3")
     need(5 << 20 <= cfg.upload_part_size <= 5 << 30, "upload_part_size must be between 5M and 5G")
     need(cfg.staging_size > 0 and cfg.staging_wait >= 0, "staging_size must be positive, staging_wait >= 0")
     for name in ("upload_concurrency", "log_upload_concurrency"):
@@ -255,6 +285,10 @@ def _coerce(f: dataclasses.Field, value):
         return parse_size(value, name)
     if f.metadata.get("mode"):
         return parse_mode(value, name)
+    if f.metadata.get("endpoint"):
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: expected str, got {value!r}")
+        return parse_endpoint(value)
     if f.metadata.get("patterns"):
         return parse_patterns(value, name)
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
@@ -331,7 +365,7 @@ def to_dict(cfg: MountConfig) -> dict:
 
 
 def options_table() -> str:
-    """The README's option table, rendered from the fields (``python -m cachefs.config``)."""
+    """docs/usage.md's option table, rendered from the fields (``python -m cachefs.config``)."""
     rows = ["| option (flag / TOML key) | default | meaning |", "|---|---|---|"]
     for f in option_fields():
         default = "~/.cache/cachefs" if f.name == "cache_dir" else render_default(f)
@@ -341,7 +375,7 @@ def options_table() -> str:
 
 def render_default(f: dataclasses.Field) -> str:
     """A field's default as a user writes it (``50G``, ``0644``, ``-`` for none): for --help and
-    the README table alike."""
+    the docs/usage.md table alike."""
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if "shown" in f.metadata:
         return f.metadata["shown"]

@@ -15,17 +15,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-import pyfuse3
 import trio
 
-from cachefs import __version__, fuse_intake
+from cachefs import __version__, fuse
 from cachefs.config import MountConfig
 from cachefs.control.cachefds import CacheFds
 from cachefs.control.commands import command_table
 from cachefs.control.server import Control
 from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError, NoSuchKey
 from cachefs.fuse_ops import Operations
-from cachefs.host import CacheDirLock, check_fuse, check_mountpoint, tune_kernel, tune_malloc
+from cachefs.host import CacheDirLock, check_cache_fs, check_fuse, check_mountpoint, tune_kernel, tune_malloc
 from cachefs.metrics import Exporter, Metrics
 from cachefs.namespace.listahead import ListAhead
 from cachefs.namespace.packed import PackedView, open_packed
@@ -53,6 +52,8 @@ class Daemon:
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: Metrics,
                  packed: tuple["Manifest", "PackedIndex"] | None = None) -> None:
         self.cfg = cfg
+        self.fuse = fuse.backend(cfg.fuse_backend, fuse.SessionOptions(
+            max_background=cfg.fuse_max_background, congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4)))
         self.store = store
         self.metrics = metrics
         self.started = time.time()
@@ -95,7 +96,8 @@ class Daemon:
                        if cfg.list_ahead and self.packed is None else None)
         # packed mounts: local loaders read the cache files (cachefs.data)
         self.cache_fds = CacheFds(cfg.cache_dir, self.packed, self.tiers) if self.packed is not None else None
-        self.ops = Operations(self.vfs, self.control, metrics, uid=uid, gid=gid, file_mode=cfg.file_mode,
+        self.ops = Operations(self.vfs, self.control, metrics, self.fuse.kernel, uid=uid, gid=gid,
+                              file_mode=cfg.file_mode,
                               dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
 
     def status(self) -> dict:
@@ -133,6 +135,9 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
     """Preflight, mount, serve until unmounted. Raises CachefsError before ``on_ready``."""
     check_fuse()
     check_mountpoint(cfg.mountpoint)
+    warning = check_cache_fs(cfg.cache_dir, cfg.cache_size)
+    if warning:
+        log.warning("%s", warning)
     lock = CacheDirLock(cfg.cache_dir)
     # Worker threads (disk reads, HTTP) hand results back to the busy trio thread: with the
     # default 5 ms GIL switch interval each waits up to 5 ms for it (a convoy); 0.2 ms keeps
@@ -140,6 +145,7 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
     sys.setswitchinterval(0.0002)
     tune_malloc()
     metrics = Metrics()
+    metrics.describe_mount(cfg.mountpoint, cfg.url, cfg.volume_id)
     try:
         store = open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
                            profile=cfg.profile, max_connections=cfg.max_connections,
@@ -199,15 +205,11 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
         await nursery.start(daemon.warmer.run)
         if daemon.writeback is not None:
             await nursery.start(daemon.writeback.run)
-        options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs", "noatime"}
-        if cfg.allow_other:
-            options.add("allow_other")
         try:
-            pyfuse3.init(daemon.ops, cfg.mountpoint, options)
-        except RuntimeError as exc:
-            raise MountpointError(f"cannot mount at {cfg.mountpoint}: {exc}") from None
-        intake = fuse_intake.install(pyfuse3, daemon.metrics.fuse_read_at_once.inc) if cfg.fuse_fast_intake else None
-        stop = _Stop()
+            daemon.fuse.mount(daemon.ops, cfg.mountpoint, allow_other=cfg.allow_other, read_only=False)
+        except OSError as exc:
+            raise MountpointError(f"cannot mount at {cfg.mountpoint}: {exc.strerror or exc}") from None
+        stop = _Stop(daemon.fuse)
         unmount = True
         try:
             if cfg.metrics_port:
@@ -224,13 +226,12 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                     nursery.start_soon(daemon.lister.run)
                 if daemon.cache_fds is not None:
                     await nursery.start(daemon.cache_fds.run)
-                await pyfuse3.main(min_tasks=32, max_tasks=256)
+                await daemon.fuse.serve()
             unmount = stop.signalled     # otherwise the kernel side already unmounted
         finally:
             if daemon.exporter is not None:
                 daemon.exporter.close()
-            pyfuse3.close(unmount=unmount)
-            fuse_intake.uninstall(pyfuse3, intake)
+            daemon.fuse.close(unmount=unmount)
             with trio.move_on_after(30, shield=True):
                 await daemon.tiers.wait_idle()    # queued cache fills reach the disk tier
             if daemon.writeback is not None:
@@ -262,9 +263,12 @@ async def _tune_then_ready(cfg: MountConfig, on_ready: Callable[[], None]) -> No
 class _Stop:
     signalled = False
 
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
     async def on_signal(self, signals) -> None:
         async for signum in signals:
             log.info("received %s: unmounting", signal.Signals(signum).name)
             self.signalled = True
-            pyfuse3.terminate()
+            self.backend.terminate()
             return

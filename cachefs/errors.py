@@ -2,7 +2,8 @@
 
 Each layer raises these; one choke point (``fuse_ops``) maps them to errno and
 one (``cli``) maps them to a one-line message and an exit code. Exit codes are
-documented in the README; never renumber them.
+listed in ``EXIT_CODES`` (and rendered from it into --help and docs/usage.md);
+never renumber them.
 """
 
 import errno
@@ -23,6 +24,49 @@ class ExitCode:
     # 11 and 12 are `cachefs warmup`'s (some files failed; refused: does not fit)
     PERMISSION = 13     # the daemon refused the caller: only root and the mount's owner change it
     UNSUPPORTED = 14    # the daemon does not know that command or control protocol version
+
+
+# Every exit code of every `cachefs` command, in one table: the commands' --help and the docs
+# (docs/usage.md, checked by a test) are rendered from it.
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    1: "internal error (a bug: the log has the traceback)",
+    2: "bad arguments, config file, URL or endpoint; an extra the command needs is not installed",
+    3: "bucket or prefix not found; pack: SRC holds no files",
+    4: "credentials missing or refused",
+    5: "object store unreachable, timing out, or failing after retries",
+    6: "mountpoint missing, not a directory, busy (already mounted), or not mounted",
+    7: "/dev/fuse or fusermount3 missing",
+    8: "cache dir unwritable, on a full or too small filesystem, or in use by another daemon",
+    9: "no cachefs daemon answers at that mountpoint",
+    10: "timed out: mount not ready, or sync --wait / umount could not upload everything in time",
+    11: "warmup: some files failed (listed in the summary)",
+    12: "warmup refused: the dataset does not fit the cache (--force warms what fits)",
+    13: "refused: only root and the mount's owner may sync, warm, evict or pin",
+    14: "the daemon does not support that command (remount with this cachefs version)",
+    21: "pack: a source name cannot be packed ('..', absolute, duplicate, newline, file and directory)",
+    22: "pack: a source object changed while it was packed (run again)",
+    23: "a shard or the index of a packed dataset is corrupt (crc, offsets, truncated Parquet)",
+    24: "the packed dataset's manifest version is unknown to this cachefs",
+    25: "pack --merge: some worker has not committed yet; pack: another pack is writing DST",
+    130: "interrupted (Ctrl-C): run the same command again to resume",
+}
+
+
+def exit_codes_table() -> str:
+    """The docs' exit-code table (docs/usage.md), rendered from EXIT_CODES (``python -m cachefs.errors``)."""
+    return "\n".join(["| code | meaning |", "|---|---|"] + [f"| {code} | {text} |" for code, text in
+                                                            sorted(EXIT_CODES.items())])
+
+
+def exit_codes_help(codes=None) -> str:
+    """The ``exit codes:`` block of a command's --help: ``codes`` (default: all) from EXIT_CODES."""
+    chosen = sorted(EXIT_CODES) if codes is None else sorted(codes)
+    return "exit codes:\n" + "\n".join(f"  {code:>3}  {EXIT_CODES[code]}" for code in chosen)
+
+
+class NeedsWait(Exception):
+    """A synchronous fast path (``*_now``) cannot answer without waiting: ask the async one."""
 
 
 class CachefsError(Exception):
@@ -119,3 +163,7 @@ class Unsupported(CachefsError):
 
 class CorruptBlock(CachefsError):
     """A disk-tier block failed its checksum or is truncated. Never escapes the tiers."""
+
+
+if __name__ == "__main__":
+    print(exit_codes_table())

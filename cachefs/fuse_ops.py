@@ -1,7 +1,11 @@
-"""The thin pyfuse3 adapter: request -> vfs call -> reply. No logic lives here.
+"""The thin FUSE adapter: request -> vfs call -> answer. No logic lives here.
 
-``_operation`` is the one choke point where exceptions become ``FUSEError``
-(DESIGN invariant 7): each failure is logged once with its operation and
+Handlers take and return the backend-neutral types of ``cachefs.fuse.types``; the FUSE layer
+that speaks the wire (``cachefs.fuse.session``, or pyfuse3 through ``cachefs.fuse.pyfuse3_backend``)
+encodes them. ``kernel`` is that layer's side for notifications (``notify_store``).
+
+``_operation`` is the one choke point where exceptions become ``FuseError``
+(docs/design.md, invariant 7): each failure is logged once with its operation and
 counted by errno; unexpected exceptions are logged with a traceback.
 """
 
@@ -12,11 +16,10 @@ import os
 import stat
 import time
 
-import pyfuse3
-
 from cachefs.control.protocol import CONTROL_NAME
 from cachefs.control.server import Control
-from cachefs.errors import CachefsError
+from cachefs.errors import CachefsError, NeedsWait
+from cachefs.fuse.types import Attr, DirReply, FileInfo, FuseError, StatFs
 from cachefs.metrics import Metrics
 from cachefs.namespace.vfs import CONTROL_INODE, ROOT_INODE, FsError, Node, Vfs
 
@@ -36,7 +39,7 @@ def _operation(name: str):
             started = time.perf_counter()
             try:
                 return await handler(self, *args)
-            except pyfuse3.FUSEError as exc:
+            except FuseError as exc:
                 self._failed(name, exc.errno)
                 raise
             except (CachefsError, OSError) as exc:
@@ -44,13 +47,44 @@ def _operation(name: str):
                 self._failed(name, code)
                 level = logging.DEBUG if code in _QUIET_ERRNOS else logging.ERROR
                 log.log(level, "%s%s: %s", name, _describe(self, args), exc)
-                raise pyfuse3.FUSEError(code) from None
+                raise FuseError(code) from None
             except Exception:
                 self._failed(name, errno.EIO)
                 log.exception("%s%s: unexpected error", name, _describe(self, args))
-                raise pyfuse3.FUSEError(errno.EIO) from None
+                raise FuseError(errno.EIO) from None
             finally:
                 self._timing[name].observe(time.perf_counter() - started)
+
+        return run
+
+    return wrap
+
+
+def _fast_operation(name: str):
+    """The synchronous fast path of one handler (``now_*``): counted and timed like the handler,
+    errors mapped the same way; NeedsWait passes through (the session then runs the handler)."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        def run(self: "Operations", *args):
+            started = time.perf_counter()
+            try:
+                result = handler(self, *args)
+            except NeedsWait:
+                raise
+            except FuseError as exc:
+                self._failed(name, exc.errno)
+                self._timing[name].observe(time.perf_counter() - started)
+                raise
+            except (CachefsError, OSError) as exc:
+                code = exc.errno or errno.EIO
+                self._failed(name, code)
+                log.log(logging.DEBUG if code in _QUIET_ERRNOS else logging.ERROR, "%s%s: %s", name,
+                        _describe(self, args), exc)
+                self._timing[name].observe(time.perf_counter() - started)
+                raise FuseError(code) from None
+            self._timing[name].observe(time.perf_counter() - started)
+            return result
 
         return run
 
@@ -68,14 +102,10 @@ def _describe(ops: "Operations", args: tuple) -> str:
     return ""
 
 
-class Operations(pyfuse3.Operations):
-    supports_dot_lookup = False
-    enable_writeback_cache = False
-    enable_acl = False
-
-    def __init__(self, vfs: Vfs, control: Control, metrics: Metrics, *, uid: int, gid: int,
+class Operations:
+    def __init__(self, vfs: Vfs, control: Control, metrics: Metrics, kernel, *, uid: int, gid: int,
                  file_mode: int, dir_mode: int, metadata_ttl: float, immutable: bool) -> None:
-        super().__init__()
+        self.kernel = kernel          # the FUSE layer's notifications: notify_store(ino, offset, data)
         self.vfs = vfs
         self.control = control
         self.metrics = metrics
@@ -88,31 +118,18 @@ class Operations(pyfuse3.Operations):
         self.metrics.fuse_errors.labels(name, errno.errorcode.get(code, str(code))).inc()
 
     # ---- attributes -------------------------------------------------------------------------
-    def _attr(self, node: Node) -> pyfuse3.EntryAttributes:
-        attr = pyfuse3.EntryAttributes()
-        attr.st_ino = node.inode
-        attr.entry_timeout = attr.attr_timeout = self.timeout
+    def _attr(self, node: Node) -> Attr:
+        mtime = int(node.mtime * 1e9)
         if node.is_dir:
-            attr.st_mode = stat.S_IFDIR | self.dir_mode
-            attr.st_nlink = 2
-        else:
-            attr.st_mode = stat.S_IFREG | (stat.S_IMODE(node.mode) if node.mode is not None else self.file_mode)
-            attr.st_nlink = 1
-            attr.st_size = node.size
-            attr.st_blocks = (node.size + 511) // 512
-        attr.st_blksize = 128 * 1024
-        attr.st_uid, attr.st_gid = self.uid, self.gid
-        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = int(node.mtime * 1e9)
-        return attr
+            return Attr(node.inode, stat.S_IFDIR | self.dir_mode, 2, 0, 0, 128 * 1024, self.uid, self.gid,
+                        mtime, mtime, mtime, self.timeout, self.timeout)
+        mode = stat.S_IFREG | (stat.S_IMODE(node.mode) if node.mode is not None else self.file_mode)
+        return Attr(node.inode, mode, 1, node.size, (node.size + 511) // 512, 128 * 1024, self.uid, self.gid,
+                    mtime, mtime, mtime, self.timeout, self.timeout)
 
-    def _control_attr(self) -> pyfuse3.EntryAttributes:
-        attr = pyfuse3.EntryAttributes()
-        attr.st_ino = CONTROL_INODE
-        attr.st_mode = stat.S_IFREG | 0o666
-        attr.st_nlink = 1
-        attr.st_uid, attr.st_gid = self.uid, self.gid
-        attr.entry_timeout = attr.attr_timeout = 1.0
-        return attr
+    def _control_attr(self) -> Attr:
+        return Attr(ino=CONTROL_INODE, mode=stat.S_IFREG | 0o666, nlink=1, uid=self.uid, gid=self.gid,
+                    entry_timeout=1.0, attr_timeout=1.0)
 
     @_operation("lookup")
     async def lookup(self, parent_inode, name, ctx=None):
@@ -124,10 +141,44 @@ class Operations(pyfuse3.Operations):
         except FsError as exc:
             if exc.errno != errno.ENOENT:
                 raise
-            negative = pyfuse3.EntryAttributes()   # st_ino 0: the kernel caches the miss
-            negative.st_ino = 0
-            negative.entry_timeout = self.timeout
-            return negative
+            return Attr(ino=0, entry_timeout=self.timeout)     # ino 0: the kernel caches the miss
+
+    @_fast_operation("lookup")
+    def now_lookup(self, parent_inode, name):
+        text = os.fsdecode(name)
+        if parent_inode == ROOT_INODE and text == CONTROL_NAME:
+            return self._control_attr()
+        try:
+            return self._attr(self.vfs.lookup_now(parent_inode, text))
+        except FsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            return Attr(ino=0, entry_timeout=self.timeout)
+
+    @_fast_operation("getattr")
+    def now_getattr(self, inode):
+        if inode == CONTROL_INODE:
+            return self._control_attr()
+        return self._attr(self.vfs.getattr_now(inode))
+
+    @_fast_operation("open")
+    def now_open(self, inode, flags, ctx):
+        if inode == CONTROL_INODE:
+            raise NeedsWait
+        handle, keep_cache = self.vfs.open_now(inode, flags)
+        return FileInfo(fh=handle.fh, keep_cache=keep_cache)
+
+    @_fast_operation("read")
+    def now_read(self, fh, off, size):
+        if self.control.owns(fh):
+            raise NeedsWait
+        return self.vfs.read_now(fh, off, size)
+
+    @_fast_operation("release")
+    def now_release(self, fh):
+        if self.control.owns(fh):
+            raise NeedsWait
+        self.vfs.release_now(fh)
 
     @_operation("getattr")
     async def getattr(self, inode, ctx=None):
@@ -142,17 +193,12 @@ class Operations(pyfuse3.Operations):
 
     @_operation("statfs")
     async def statfs(self, ctx):
-        data = pyfuse3.StatvfsData()
-        data.f_bsize = data.f_frsize = 4096
-        data.f_blocks = 1 << 40
-        data.f_bfree = data.f_bavail = 0
+        data = StatFs(blocks=1 << 40, namelen=1024)
         stats = self.vfs.statfs()
         if stats.capacity is not None:      # writable: the room left in the staging area
-            data.f_blocks = stats.capacity // data.f_frsize
-            data.f_bfree = data.f_bavail = stats.free // data.f_frsize
-        data.f_files = stats.inodes
-        data.f_ffree = data.f_favail = 0
-        data.f_namemax = 1024
+            data.blocks = stats.capacity // data.frsize
+            data.bfree = data.bavail = stats.free // data.frsize
+        data.files = stats.inodes
         return data
 
     # ---- directories ------------------------------------------------------------------------
@@ -161,9 +207,9 @@ class Operations(pyfuse3.Operations):
         return await self.vfs.opendir(inode)
 
     @_operation("readdir")
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh, start_id, reply: DirReply):
         for name, node, next_id in self.vfs.readdir_entries(fh, start_id):
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(node), next_id):
+            if not reply.add(os.fsencode(name), self._attr(node), next_id):
                 return
             self.vfs.remember(node)
 
@@ -175,7 +221,7 @@ class Operations(pyfuse3.Operations):
     @_operation("open")
     async def open(self, inode, flags, ctx):
         if inode == CONTROL_INODE:
-            return pyfuse3.FileInfo(fh=self.control.open(ctx), direct_io=True, nonseekable=True)
+            return FileInfo(fh=self.control.open(ctx), direct_io=True, nonseekable=True)
         handle, keep_cache = await self.vfs.open(inode, flags)
         if not keep_cache and not flags & (os.O_WRONLY | os.O_RDWR):
             data = await self.vfs.preload(handle)
@@ -186,9 +232,9 @@ class Operations(pyfuse3.Operations):
                 # of another handle holds its page locked until we answer it, and notify_store
                 # blocks this thread on that lock, the whole mount with it (bug 7). With no other
                 # handle no READ can be pending: the kernel sends RELEASE only after its last READ.
-                pyfuse3.notify_store(inode, 0, data)
+                self.kernel.notify_store(inode, 0, data)
                 keep_cache = True
-        return pyfuse3.FileInfo(fh=handle.fh, keep_cache=keep_cache)
+        return FileInfo(fh=handle.fh, keep_cache=keep_cache)
 
     @_operation("read")
     async def read(self, fh, off, size):
@@ -204,7 +250,7 @@ class Operations(pyfuse3.Operations):
 
     @_operation("flush")
     async def flush(self, fh):
-        raise pyfuse3.FUSEError(errno.ENOSYS)   # nothing to do at close: the kernel stops sending flush
+        raise FuseError(errno.ENOSYS)   # nothing to do at close: the kernel stops sending flush
 
     @_operation("fsync")
     async def fsync(self, fh, datasync):
@@ -223,14 +269,14 @@ class Operations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         if inode == CONTROL_INODE:
             return self._control_attr()
-        size = attr.st_size if fields.update_size else None
-        mtime = attr.st_mtime_ns / 1e9 if fields.update_mtime else None
+        size = attr.size if fields.update_size else None
+        mtime = attr.mtime_ns / 1e9 if fields.update_mtime else None
         return self._attr(await self.vfs.setattr(inode, size, mtime))   # mode, owner: fixed by the mount
 
     @_operation("create")
     async def create(self, parent_inode, name, mode, flags, ctx):
         handle, node = await self.vfs.create(parent_inode, os.fsdecode(name), flags)
-        return pyfuse3.FileInfo(fh=handle.fh), self._attr(node)
+        return FileInfo(fh=handle.fh), self._attr(node)
 
     @_operation("mkdir")
     async def mkdir(self, parent_inode, name, mode, ctx):

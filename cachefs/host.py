@@ -5,7 +5,7 @@ Everything here asks or tunes the machine the daemon runs on; nothing holds cach
 ``os.path.ismount`` misses bind mounts of one filesystem, and stat-ing a dead FUSE mount
 hangs or fails with ENOTCONN, so mounts are found by reading ``/proc/self/mountinfo``.
 
-Memory (DESIGN invariant 3): blocks are 4 MiB bytes objects allocated in worker threads and
+Memory (docs/design.md, invariant 3): blocks are 4 MiB bytes objects allocated in worker threads and
 freed in the trio thread. With glibc's defaults the mmap threshold grows to the largest freed
 chunk (so 4 MiB blocks land in heap arenas and fragment them) and every thread may get its own
 arena: freed blocks stay in RSS, spread over many arenas. Two arenas cap the spread; a fixed
@@ -50,6 +50,8 @@ def check_mountpoint(path: str) -> None:
 class MountEntry:
     """One line of ``/proc/self/mountinfo``."""
 
+    mount_id: int
+    parent_id: int
     devno: str          # major:minor
     root: str           # the mounted subtree of the source filesystem ("/" unless a bind mount)
     mountpoint: str
@@ -57,10 +59,11 @@ class MountEntry:
     source: str
 
 
-def mounts() -> list[MountEntry]:
-    """Every mount this process can see, in mount order; [] if mountinfo cannot be read."""
+def mounts(pid: int | str = "self") -> list[MountEntry]:
+    """Every mount process ``pid`` can see (this one by default), in mount order; [] if its
+    mountinfo cannot be read."""
     try:
-        with open("/proc/self/mountinfo") as fh:
+        with open(f"/proc/{pid}/mountinfo") as fh:
             lines = fh.readlines()
     except OSError:
         return []
@@ -71,7 +74,7 @@ def _parse_mountinfo(line: str) -> MountEntry | None:
     fields = line.split()
     try:
         sep = fields.index("-")
-        return MountEntry(fields[2], _unescape(fields[3]), _unescape(fields[4]), fields[sep + 1],
+        return MountEntry(int(fields[0]), int(fields[1]), fields[2], _unescape(fields[3]), _unescape(fields[4]), fields[sep + 1],
                           _unescape(fields[sep + 2]) if len(fields) > sep + 2 else "")
     except (ValueError, IndexError):
         return None
@@ -79,11 +82,17 @@ def _parse_mountinfo(line: str) -> MountEntry | None:
 
 def find_mount(path: str) -> tuple[str, str] | None:
     """(major:minor, fstype) of the mount at ``path``, read without touching the mount itself."""
-    found = None
-    for entry in mounts():
-        if entry.mountpoint == path:
-            found = (entry.devno, entry.fstype)   # the last one mounted there wins
-    return found
+    found = top_mount(mounts(), path)
+    return None if found is None else (found.devno, found.fstype)
+
+
+def top_mount(table: list[MountEntry], path: str) -> MountEntry | None:
+    """The visible mount at ``path`` in one mount table: with mounts stacked on one path, the one
+    no other mount at that path sits on."""
+    here = [entry for entry in table if entry.mountpoint == path]
+    covered = {entry.parent_id for entry in here}
+    visible = [entry for entry in here if entry.mount_id not in covered]
+    return visible[-1] if visible else None
 
 
 def cachefs_mounts() -> list[str]:
@@ -97,6 +106,34 @@ _OCTAL = re.compile(r"\\([0-7]{3})")
 def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
     return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field) if "\\" in field else field
+
+
+MIN_CACHE_FS_FREE = 1 << 20
+
+
+def check_cache_fs(cache_dir: str, cache_size: int) -> str | None:
+    """Refuse a cache dir whose filesystem is full (under 1 MiB available to a normal user: the
+    root reserve is not for caches), new or existing alike; return a warning when ``cache_size``
+    exceeds the whole filesystem (the disk tier then stops at the free-space floor instead)."""
+    path = cache_dir
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        raise CacheDirError(f"cache dir {cache_dir}: {exc.strerror}") from None
+    available, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if available < MIN_CACHE_FS_FREE:
+        raise CacheDirError(f"cache dir {cache_dir}: its filesystem is full ({available} bytes available of "
+                            f"{total}); free some space or choose another --cache-dir")
+    if cache_size > total:
+        return (f"--cache-size {_gib(cache_size)} is more than the cache filesystem holds ({_gib(total)} in all, "
+                f"{_gib(available)} free): the disk tier stops at the --free-space-ratio floor instead")
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 class CacheDirLock:
@@ -126,7 +163,7 @@ class CacheDirLock:
 
 
 def tune_kernel(mountpoint: str, read_ahead_kb: int, max_background: int) -> None:
-    """Raise the FUSE bdi readahead and the connection's max_background (DESIGN §3)."""
+    """Raise the FUSE bdi readahead and the connection's max_background (docs/design.md, measured facts)."""
     entry = find_mount(mountpoint)
     if entry is None:
         log.info("cannot find %s in mountinfo; kernel tuning skipped", mountpoint)

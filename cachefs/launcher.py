@@ -136,6 +136,53 @@ def setup_logging(cfg: MountConfig, *, to_stderr: bool) -> None:
 
 
 # ---- stop ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    pid: int | None             # the daemon that served the mount (None: it was already dead)
+    still_running: bool         # it had not exited when the timeout ran out
+
+
+def stop(mountpoint: str, *, timeout: float = 60.0, drain: bool = True, lazy: bool = False) -> Stopped:
+    """Stop the daemon serving ``mountpoint``: upload what it has staged (``drain``), unmount,
+    and wait up to ``timeout`` seconds for it to exit (``lazy``: detach even with open files and
+    return at once; the daemon exits once they are closed). A stale mount of a dead daemon is unmounted
+    all the same. Raises MountpointError (not a cachefs mount, busy), StartTimeout (the drain did
+    not finish: still mounted, nothing lost) or NoDaemon/Unsupported from the control channel."""
+    from cachefs.control.client import request
+
+    if not is_cachefs_mount(mountpoint):
+        raise MountpointError(f"{mountpoint} is not a mounted cachefs filesystem")
+    pid = None
+    try:
+        pid = next(request(mountpoint, "status"))["pid"]
+    except (CachefsError, StopIteration, KeyError):
+        pass   # a dead daemon leaves a stale mount: unmount it all the same
+    if pid is not None and drain:
+        drain_writes(mountpoint, timeout)
+    unmount(mountpoint, lazy=lazy)
+    if lazy:       # detached: the daemon serves open files until they are closed, then exits
+        return Stopped(pid, pid is not None and not wait_exit(pid, 0.5))
+    return Stopped(pid, pid is not None and not wait_exit(pid, timeout))
+
+
+def drain_writes(mountpoint: str, timeout: float) -> None:
+    """Upload everything staged before unmounting; refuse to unmount if it does not finish in time."""
+    from cachefs.control.client import hello, request
+
+    if "sync" not in hello(mountpoint)["commands"]:
+        return          # a read-only mount: nothing to drain
+    final = {}
+    for reply in request(mountpoint, "sync", wait=True, timeout=timeout):
+        final = reply
+    if final.get("done", True):
+        return
+    left = final["pending"]
+    raise StartTimeout(f"{left['files']} file(s) ({left['bytes']} bytes) and {left['operations']} operation(s) "
+                       f"not uploaded after {timeout:.0f} s (errors: {'; '.join(left['errors']) or 'none'}); "
+                       f"still mounted. They stay staged: retry, or `cachefs umount --no-drain` to unmount "
+                       f"now and upload them at the next mount of this cache dir")
+
+
 def unmount(mountpoint: str, *, lazy: bool = False) -> None:
     """fusermount3 -u (-z); MountpointError with fusermount's reason when it refuses."""
     command = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]

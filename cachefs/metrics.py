@@ -8,7 +8,7 @@ import logging
 import threading
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, make_server
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,11 @@ class Metrics:
     """All metrics of one daemon. Create one per daemon (tests create many)."""
 
     def __init__(self) -> None:
+        disable_created_metrics()     # no *_created series: one timestamp per counter doubles the series for nothing
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self.mount_info = Info("cachefs_mount", "Which mount this daemon serves: labels mountpoint, url (the dataset, "
+                               "never credentials), volume_id (the CSI volume, or empty); join on instance",
+                               registry=r)
         # tiers: tier in {memory, disk}
         self.tier_hits = Counter("cachefs_tier_hits", "Block reads served by a tier", ["tier"], registry=r)
         self.tier_misses = Counter("cachefs_tier_misses", "Block reads a tier could not serve", ["tier"], registry=r)
@@ -43,7 +47,9 @@ class Metrics:
                                  registry=r)
         self.store_bytes = Counter("cachefs_store_read_bytes", "Bytes read from the object store", registry=r)
         # op in {get, head, list, put, ...}; status: HTTP code class or error kind
-        self.store_requests = Counter("cachefs_store_requests", "Object-store requests", ["op", "status"],
+        self.store_requests = Counter("cachefs_store_requests", "Object-store requests by operation and status: "
+                                      "the HTTP status, 'error' (no answer), 'cancelled' (a hedge that lost, a "
+                                      "reader gone: not an error)", ["op", "status"],
                                       registry=r)
         self.store_latency = Histogram("cachefs_store_request_seconds", "Object-store request latency",
                                        ["op"], buckets=_LATENCY_BUCKETS, registry=r)
@@ -62,20 +68,25 @@ class Metrics:
         self.fuse_ops = Counter("cachefs_fuse_operations", "FUSE operations", ["op"], registry=r)
         self.fuse_errors = Counter("cachefs_fuse_errors", "FUSE operations that failed", ["op", "errno"],
                                    registry=r)
-        self.fuse_read_at_once = Counter("cachefs_fuse_requests_read_at_once",
-                                         "FUSE requests read as soon as a worker was free, with no scheduler "
-                                         "pass first (--fuse-fast-intake)", registry=r)
         self.fuse_latency = Histogram("cachefs_fuse_operation_seconds", "FUSE operation latency", ["op"],
                                       buckets=_LATENCY_BUCKETS, registry=r)
-        self.read_bytes = Counter("cachefs_read_bytes", "Bytes returned to readers", registry=r)
-        # hedged GETs (cachefs/tiers/hedge.py): result in {won, lost, failed}; reason in {budget, busy}
+        self.read_bytes = Counter("cachefs_read_bytes", "Bytes served to readers from any tier or the store, "
+                                  "small files pushed into the page cache at open included", registry=r)
+        # hedged GETs (cachefs/tiers/hedge.py): result in {won, lost, failed, cancelled}; reason in {budget, busy}
         self.hedged_requests = Counter("cachefs_hedged_requests", "Second GETs started for a straggler, by "
-                                       "result (won: answered first; lost: cancelled; failed)", ["result"],
+                                       "result (won: answered first; lost: the first GET answered first; failed: the hedge "
+                                       "failed; cancelled: the read ended first). Never counted as GET errors",
+                                       ["result"],
                                        registry=r)
         self.hedges_skipped = Counter("cachefs_hedges_skipped", "Stragglers not hedged, by reason",
                                       ["reason"], registry=r)
         self.hedge_delay = Gauge("cachefs_hedge_delay_seconds", "A GET of this size class still unanswered "
                                  "after this long is hedged", ["size_class"], registry=r)
+
+    def describe_mount(self, mountpoint: str, url: str, volume_id: str | None) -> None:
+        """Set cachefs_mount_info: the mountpoint, the dataset URL (never carries credentials: URLs
+        with them are refused) and the CSI volume id (empty outside Kubernetes)."""
+        self.mount_info.info({"mountpoint": mountpoint, "url": url, "volume_id": volume_id or ""})
 
     def counter_value(self, name: str, **labels: str) -> float:
         """The current value of one sample (``name`` as exported, e.g. 'cachefs_tier_hits_total')."""
@@ -153,3 +164,28 @@ class Exporter:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def metrics_table(registry: CollectorRegistry) -> str:
+    """Every metric family of ``registry`` as the docs' table (name as exported, type, labels,
+    meaning): docs/metrics.md is rendered from it (``python -m cachefs.metrics``)."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for family in sorted(registry.collect(), key=lambda f: f.name):
+        collector = registry._names_to_collectors.get(family.name) or registry._names_to_collectors.get(
+            family.name + "_total") or registry._names_to_collectors.get(family.name + "_info")
+        labels = ", ".join(f"`{name}`" for name in getattr(collector, "_labelnames", ()))
+        exported = {"counter": f"{family.name}_total", "info": f"{family.name}_info"}.get(family.type, family.name)
+        rows.append(f"| `{exported}` | {family.type} | {labels} | {family.documentation} |")
+    return "\n".join(rows)
+
+
+def daemon_registry() -> CollectorRegistry:
+    """A registry holding every metric a daemon exports (core, write-back, warmup)."""
+    metrics = Metrics()
+    WritebackMetrics(metrics)
+    WarmupMetrics(metrics, lambda: [])
+    return metrics.registry
+
+
+if __name__ == "__main__":
+    print(metrics_table(daemon_registry()))

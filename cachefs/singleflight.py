@@ -1,4 +1,4 @@
-"""Concurrent callers asking for the same key share one call (DESIGN invariant 6)."""
+"""Concurrent callers asking for the same key share one call (docs/design.md, invariant 6)."""
 
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any

@@ -9,6 +9,7 @@ import sys
 
 from cachefs.config import parse_size
 from cachefs.errors import ConfigError, UsageError
+from cachefs.extras import require
 
 DEFAULT_AGENT_SOCKET = "/run/cachefs/agent.sock"
 
@@ -46,13 +47,16 @@ def register_agent(subparsers) -> None:
                    help="a volume without cacheSize gets cache-size / volume-slots (default 4)")
     p.add_argument("--metrics-port", type=int, default=9567,
                    help="first Prometheus port of the daemons (each takes the next free one); 0 disables")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address the daemons' metrics listen on")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address the agent's and daemons' metrics listen on")
+    p.add_argument("--agent-metrics-port", type=int, default=9566,
+                   help="Prometheus port of the agent's own metrics (volume repairs, abnormal volumes); 0 disables")
     p.add_argument("--check-interval", type=float, default=1.0, help="seconds between liveness checks")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run_agent)
 
 
 def run_plugin(args) -> int:
+    require("csi", "cachefs csi")
     from csi.errors import CsiError
     from csi.server import serve
 
@@ -79,5 +83,6 @@ def run_agent(args) -> int:
         raise UsageError("--cache-size, --volume-slots and --check-interval must be positive")
     _logging(args.log_level)
     node = NodeConfig(os.path.abspath(args.state_dir), os.path.abspath(args.cache_root), size,
-                      args.volume_slots, args.metrics_port, args.metrics_host)
+                      args.volume_slots, args.metrics_port, args.metrics_host,
+                      agent_metrics_port=args.agent_metrics_port)
     return serve_agent(args.socket, node, args.check_interval)

@@ -5,9 +5,10 @@ Registered as `cachefs` subcommands through the ``cachefs.commands`` entry point
 
 import argparse
 
-from cachefs.config import parse_size
+from cachefs.config import parse_endpoint, parse_size
 from cachefs.control.status_view import size
-from cachefs.errors import UsageError
+from cachefs.errors import UsageError, exit_codes_help
+from cachefs.extras import require
 
 from .options import DEFAULT_SHARD_SIZE, PackOptions, StoreOptions
 from .progress import Progress
@@ -16,22 +17,13 @@ from .stores import local_root, open_location, to_url
 # The engine modules (pyarrow, numpy) are imported when a command runs, not when `cachefs` builds
 # its parser: every other subcommand (mount, status, ...) would pay their import time.
 
-EXIT_CODES = """exit codes:
-  0 done                                  2 bad arguments; DST not empty (packed: use --append);
-                                            unpack: OUT holds the files (use --overwrite)
-  3 SRC or DST does not exist, or SRC     4 credentials missing or refused
-    holds no files
-  5 the object store failed               21 a source name cannot be packed ('..', absolute,
-  22 a source object changed while it       duplicate, newline, both a file and a directory)
-     was packed: run again                23 a shard or the index is corrupt (crc, offsets,
-  24 the manifest's version is unknown       truncated or foreign Parquet)
-  25 --merge: some worker has not committed yet
-  130 interrupted (Ctrl-C): run the same command again to resume; finished shards are kept
+EXIT_CODES = exit_codes_help([0, 2, 3, 4, 5, 21, 22, 23, 24, 25, 130]) + """
 A pack that fails publishes nothing: DST/manifest.json is written last."""
 
 
 def _store_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint-url", help="S3 endpoint (Ceph RGW, MinIO, a local server); default AWS")
+    p.add_argument("--endpoint-url", help="S3 endpoint (Ceph RGW, MinIO, a local server): http(s)://HOST[:PORT]; "
+                   "default AWS")
     p.add_argument("--region", help="S3 region")
     p.add_argument("--profile", help="AWS profile (credentials come from the standard AWS chain)")
     p.add_argument("--concurrency", type=int, default=32, help="parallel GETs (default 32)")
@@ -73,11 +65,13 @@ def register_unpack(subparsers) -> None:
 
 
 def _stores(args: argparse.Namespace) -> StoreOptions:
-    return StoreOptions(endpoint_url=args.endpoint_url, region=args.region, profile=args.profile)
+    endpoint = parse_endpoint(args.endpoint_url) if args.endpoint_url is not None else None
+    return StoreOptions(endpoint_url=endpoint, region=args.region, profile=args.profile)
 
 
 def _check_shared_flags(args: argparse.Namespace) -> None:
     """The flags every pack and unpack command takes (``_store_flags``)."""
+    _stores(args)
     if args.concurrency < 1:
         raise UsageError("--concurrency must be >= 1")
 
@@ -101,6 +95,7 @@ def _pack_options(args: argparse.Namespace) -> PackOptions:
 
 
 def run_pack(args: argparse.Namespace) -> int:
+    require("packer", "cachefs pack")
     _check_shared_flags(args)
     progress = Progress("verify" if args.verify else "pack", json_lines=args.json, quiet=args.quiet)
     if args.merge or args.verify:
@@ -115,23 +110,25 @@ def run_pack(args: argparse.Namespace) -> int:
 
 def _pack(args: argparse.Namespace, progress: Progress) -> int:
     from .engine import Worker, plan_pack
+    from .lease import Lease
 
     options = _pack_options(args)
     src_arg, dst_arg = args.locations
     if _inside(dst_arg, src_arg):
         raise UsageError("DST must not be SRC or inside it (the pack would list its own shards)")
     src, dst = open_location(src_arg, _stores(args)), open_location(dst_arg, _stores(args))
-    plan = plan_pack(src, dst, local_root(src_arg), options)
-    if not plan.shards and not plan.deleted and options.append:
-        progress.finish({"changed": 0}, f"pack --append: nothing changed below {to_url(src_arg)}")
-        return 0
-    mine = Worker(src, dst, to_url(src_arg), options, progress).run(plan)
-    if options.worker_count > 1:
-        progress.finish({"worker": options.worker_index, "shards_written": len(mine)},
-                        f"pack worker {options.worker_index}/{options.worker_count}: {len(mine)} shards done; "
-                        f"when every worker is done: cachefs pack --merge {dst_arg}")
-        return 0
-    return _merge(dst, progress)
+    with Lease(dst, options.worker_index):
+        plan = plan_pack(src, dst, local_root(src_arg), options)
+        if not plan.shards and not plan.deleted and options.append:
+            progress.finish({"changed": 0}, f"pack --append: nothing changed below {to_url(src_arg)}")
+            return 0
+        mine = Worker(src, dst, to_url(src_arg), options, progress).run(plan)
+        if options.worker_count > 1:
+            progress.finish({"worker": options.worker_index, "shards_written": len(mine)},
+                            f"pack worker {options.worker_index}/{options.worker_count}: {len(mine)} shards done; "
+                            f"when every worker is done: cachefs pack --merge {dst_arg}")
+            return 0
+        return _merge(dst, progress)
 
 
 def _merge(dst, progress: Progress) -> int:
@@ -154,6 +151,7 @@ def _verify(dst, progress: Progress, args: argparse.Namespace) -> int:
 
 
 def run_unpack(args: argparse.Namespace) -> int:
+    require("packer", "cachefs unpack")
     from .unpack import unpack
 
     _check_shared_flags(args)

@@ -2,6 +2,7 @@
 nothing with --quiet; and the one-paragraph summary."""
 
 import json
+import os
 import resource
 import sys
 import threading
@@ -11,6 +12,9 @@ from cachefs.control.status_view import size
 from cachefs.host import vm_hwm
 
 _EVERY = 0.5   # seconds between redraws / JSON lines
+# A test's hold: after this many shards the command reports its progress and waits there until it
+# is interrupted, so a test interrupts it mid-way on any machine, fast or slow (0: never).
+_HOLD_ENV = "CACHEFS_TEST_HOLD_AFTER_SHARDS"
 
 
 class Progress:
@@ -26,6 +30,7 @@ class Progress:
         self._last = 0.0
         self._lock = threading.Lock()
         self._drawn = False
+        self._hold = int(os.environ.get(_HOLD_ENV, "0") or 0)
 
     def plan(self, files: int, nbytes: int, shards: int) -> None:
         self.counts.update(files=files, bytes=nbytes, shards=shards)
@@ -44,7 +49,10 @@ class Progress:
                 self.counts["skipped_shards"] += 1
                 self.counts["done_files"] += files
                 self.counts["done_bytes"] += nbytes
-        self._emit()
+        held = self._hold and self.counts["done_shards"] == self._hold
+        self._emit(force=held)
+        while held:
+            time.sleep(3600)          # until Ctrl-C (KeyboardInterrupt) ends the command
 
     def report(self) -> dict:
         elapsed = time.monotonic() - self._started

@@ -2,7 +2,7 @@
 
 ``CephRGW`` starts one mon, one mgr, one bluestore OSD (on a sparse file) and one radosgw,
 all as child processes of the test run (no systemd), with every file under one temp dir.
-cephx is off; the facts that make that work are in DESIGN section 3 and in the comments of
+cephx is off; the facts that make that work are in docs/design.md, measured facts and in the comments of
 ``_CONF`` below. It creates one S3 user and exposes ``endpoint_url``, ``access_key`` and
 ``secret_key``. Every wait is bounded; a failure names the step and shows the tail of the
 log of the daemon that did not come up. Teardown stops the daemons by PID in the order

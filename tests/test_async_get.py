@@ -484,7 +484,7 @@ def test_nothing_listening_is_unreachable_after_the_retries():
     assert metrics.counter_value("cachefs_store_retries_total", op="get") >= 2
 
 
-# --- ranged GETs answered 200 (issue 13 item 2), on both lean paths -------------------------------
+# --- ranged GETs answered 200, on both lean paths ----------------------------------------------
 
 OBJECT = bytes(range(256)) * 400      # 102,400 bytes
 RANGE = (10_000, 30_000)
@@ -640,3 +640,49 @@ def test_start_get_is_a_hint_that_never_raises_and_sends_nothing_bad(scripted):
     finally:
         store.close()
     assert len(server.requests) == 2 and server.connections == 1
+
+
+# --- a cancelled GET (a hedge that lost, a reader gone) is counted as cancelled, never an error ------
+
+@pytest.mark.parametrize("size", [200_000, 3 << 20], ids=["in-trio", "in-a-receiving-thread"])
+@pytest.mark.parametrize("answer", ["trickle", "silent"])
+def test_a_cancelled_get_is_counted_cancelled_not_error(scripted, size, answer):
+    body = bytes(range(256)) * (size // 256)
+
+    def script(n: int, req: bytes) -> bytes:
+        return ok(body) + b"<trickle>" if answer == "trickle" else b"<silent>"
+    server = scripted(script)
+    metrics = Metrics()
+    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}"))
+
+    async def main() -> None:
+        with trio.move_on_after(0.25) as scope:
+            await store.get_async("k", 0, len(body), "v1", len(body), limiter=trio.CapacityLimiter(4))
+        assert scope.cancelled_caught
+    trio.run(main)
+    counts = {s.labels["status"]: s.value for m in metrics.store_requests.collect() for s in m.samples
+              if s.name.endswith("_total") and s.labels["op"] == "get"}
+    assert counts == {"cancelled": 1.0}
+
+
+def test_a_get_cancelled_while_connecting_is_counted_cancelled(scripted, monkeypatch):
+    """trio.open_tcp_stream runs its attempts in a nursery: a cancellation while connecting comes
+    out of it wrapped in an exception group. It is still a cancellation, not a failed GET."""
+    server = scripted(lambda n, req: ok(b"x"))
+
+    async def connecting(host, port):
+        async with trio.open_nursery() as nursery:     # two attempts in flight, as happy eyeballs has
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(trio.sleep_forever)
+    monkeypatch.setattr(trio, "open_tcp_stream", connecting)
+    metrics = Metrics()
+    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}"))
+
+    async def main() -> None:
+        with trio.move_on_after(0.1) as scope:
+            await store.get_async("k", 0, 1, "v1", 1, limiter=trio.CapacityLimiter(4))
+        assert scope.cancelled_caught
+    trio.run(main)
+    counts = {s.labels["status"]: s.value for m in metrics.store_requests.collect() for s in m.samples
+              if s.name.endswith("_total") and s.labels["op"] == "get"}
+    assert counts == {"cancelled": 1.0}

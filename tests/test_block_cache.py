@@ -1,4 +1,4 @@
-"""The read path without a kernel (DESIGN §5 layer 3): Tiers over MemoryTier and DiskTier,
+"""The read path without a kernel (docs/design.md, tests: layer 3): Tiers over MemoryTier and DiskTier,
 driven inside ``trio.run`` over an in-memory store whose calls are counted, failed or held."""
 
 import random
@@ -45,7 +45,7 @@ class CountingStore(ObjectStore):
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
-        self.identity = inner.identity
+        self.identity, self.url = inner.identity, inner.url
         self.calls: Counter[str] = Counter()
         self.gets: list[tuple[str, int, int]] = []          # (path, start, end) of every get
         self.started: list[tuple[str, int, int]] = []       # (path, start, end) of every start_get hint

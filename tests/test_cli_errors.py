@@ -1,4 +1,4 @@
-"""Bad input through the real CLI (DESIGN invariant 7): the documented exit code, one
+"""Bad input through the real CLI (docs/design.md, invariant 7): the documented exit code, one
 `cachefs: error: ...` line and no traceback, nothing left mounted and no daemon left running."""
 
 import contextlib
@@ -6,6 +6,7 @@ import fcntl
 import logging
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,9 +15,11 @@ from mounts import cachefs
 
 from cachefs import host
 from cachefs.cli import main
+from cachefs.config import parse_endpoint
 from cachefs.demo.local_s3 import free_port, s3_client
-from cachefs.errors import ExitCode, FuseUnavailable
+from cachefs.errors import EXIT_CODES, ConfigError, ExitCode, FuseUnavailable
 from cachefs.host import find_mount
+from cachefs.launcher import process_alive
 
 pytestmark = pytest.mark.fuse
 
@@ -179,6 +182,23 @@ def test_umount_of_a_plain_directory(paths):
     expect_error(cachefs("umount", str(paths[0])), ExitCode.MOUNTPOINT, "not a mounted cachefs")
 
 
+def test_umount_lazy_detaches_at_once_while_a_file_is_open(dataset, mount_factory):
+    url, args = dataset
+    mnt = mount_factory(url, *args).start()
+    pid = mnt.status()["pid"]
+    with open(mnt / "a.txt", "rb") as held:
+        started = time.monotonic()
+        result = cachefs("umount", "--lazy", str(mnt.path))
+        assert result.returncode == 0 and time.monotonic() - started < 10, result.stderr
+        assert "detached" in result.stderr and f"pid {pid}" in result.stderr
+        assert find_mount(str(mnt.path)) is None
+        assert held.read() == b"hello"                 # the open file is still served
+    deadline = time.monotonic() + 10                   # closed: the daemon exits
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_alive(pid)
+
+
 # --- the cache dir: 8 -----------------------------------------------------------------------------
 
 def test_cache_dir_parent_is_a_file(paths, tmp_path, dataset):
@@ -188,11 +208,24 @@ def test_cache_dir_parent_is_a_file(paths, tmp_path, dataset):
                  "Not a directory")
 
 
-def test_cache_dir_on_a_full_filesystem(paths, full_fs, dataset):
+@pytest.mark.parametrize("existing", [False, True], ids=["new-cache-dir", "existing-cache-dir"])
+def test_cache_dir_on_a_full_filesystem(paths, full_fs, dataset, existing):
     url, args = dataset
     cache = full_fs / "cache"
-    expect_error(run_mount(url, paths[0], cache, *args), ExitCode.CACHE_DIR, str(cache))
+    if existing:          # made before the filesystem filled up, holding a lock file from before
+        cache.mkdir()
+        (cache / "cachefs.lock").write_bytes(b"")
+    expect_error(run_mount(url, paths[0], cache, *args), ExitCode.CACHE_DIR, str(cache), "is full")
     assert lock_holder(cache) is None
+
+
+def test_a_cache_size_above_the_filesystems_is_a_warning(tmp_path, dataset, mount_factory):
+    url, args = dataset
+    mnt = mount_factory(url, *args, "--cache-size", "10000T")
+    result = mnt.try_start()
+    assert result.returncode == 0, result.stderr
+    assert "cachefs: warning: --cache-size 10240000.0 GiB is more than the cache filesystem holds" in result.stderr
+    assert "--free-space-ratio floor" in (mnt.cache_dir / "cachefs.log").read_text()
 
 
 def test_cache_dir_whose_block_dir_cannot_be_made(paths, dataset):
@@ -267,7 +300,7 @@ def test_mount_without_dev_fuse_exits_7(monkeypatch, paths, capsys):
 
 
 
-# --- --help: every subcommand in the usage line (issue 13 item 6) --------------------------------
+# --- --help: every subcommand in the usage line ---------------------------------------------------
 
 def test_usage_line_lists_every_subcommand_including_plugins():
     from cachefs.cli import build_parser, public_commands
@@ -291,3 +324,84 @@ def test_bad_subcommand_is_a_usage_error_naming_the_choices():
     result = cachefs("defragment")
     assert result.returncode == ExitCode.USAGE
     assert "warmup" in result.stderr and "Traceback" not in result.stderr
+
+
+# --- endpoint URLs: one check for every command -------------------------------------------------
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9000", "https://rgw.example.com", "http://[::1]:7480/",
+                                      "http://rgw-0.storage.svc.cluster.local:80/s3"])
+def test_good_endpoint_urls_pass(endpoint):
+    assert parse_endpoint(endpoint) == endpoint.rstrip("/")
+
+
+@pytest.mark.parametrize("endpoint, words", [
+    ("rgw.example:7480", "needs a scheme"), ("ftp://rgw.example", "needs a scheme"), ("", "needs a scheme"),
+    ("http://", "malformed"), ("http://rgw.example:99999", "malformed"), ("http://rgw .example", "malformed"),
+    ("http://rgw.example/?x=1", "malformed"), ("http://AKIA:secret@rgw.example", "must not carry credentials"),
+])
+def test_bad_endpoint_urls_are_one_line_config_errors(endpoint, words):
+    with pytest.raises(ConfigError, match=words) as info:
+        parse_endpoint(endpoint)
+    assert "\n" not in str(info.value) and "secret" not in str(info.value)
+
+
+def test_an_endpoint_without_a_scheme_is_exit_2_for_every_command(paths, tmp_path):
+    """mount, pack and unpack check the endpoint in one place, before anything else happens."""
+    mountpoint, cache_dir = paths
+    results = [run_mount("s3://bucket/prefix", mountpoint, cache_dir, "--endpoint-url", "rgw.example:7480"),
+               cachefs("pack", "s3://b/src", "s3://b/dst", "--endpoint-url", "rgw.example:7480"),
+               cachefs("unpack", "s3://b/dst", str(tmp_path / "out"), "--endpoint-url", "rgw.example:7480")]
+    for result in results:
+        expect_error(result, ExitCode.USAGE, "'rgw.example:7480' needs a scheme")
+    assert not (tmp_path / "out").exists()
+
+
+# --- argparse: one usage line, not the whole option list ----------------------------------------
+
+def test_an_argparse_error_prints_one_usage_line_and_the_error():
+    result = cachefs("mount", "s3://bucket/prefix")
+    assert result.returncode == ExitCode.USAGE
+    assert result.stderr.splitlines() == ["usage: cachefs mount URL MOUNTPOINT [options] (--help for more)",
+                                          "cachefs: error: the following arguments are required: mountpoint"]
+    result = cachefs("warmup", "--concurrency", "many")
+    assert result.returncode == ExitCode.USAGE and len(result.stderr.splitlines()) == 2, result.stderr
+
+
+# --- exit codes: one table for --help and the docs ------------------------------------------------
+
+def test_help_lists_every_exit_code_from_the_one_table():
+    result = cachefs("--help")
+    listed = {int(line.split()[0]) for line in result.stdout.split("exit codes:")[1].splitlines() if line.strip()}
+    assert listed == set(EXIT_CODES) and {11, 12, 23, 24} <= listed
+    for command, codes in (("warmup", {11, 12, 130}), ("pack", {21, 22, 23, 24, 25, 130}), ("mount", {6, 7, 8})):
+        text = cachefs(command, "--help").stdout
+        for code in codes:
+            assert f"{code:>3}  {EXIT_CODES[code]}" in text, (command, code)
+    values = [v for k, v in vars(ExitCode).items() if k.isupper()] + [11, 12] + list(range(21, 26)) + [130]
+    assert set(values) == set(EXIT_CODES)
+
+
+# --- extras: a missing one is one line naming it ----------------------------------------------------
+
+MISSING = "import sys; [sys.modules.__setitem__(m, None) for m in {mods!r}]; "
+
+
+@pytest.mark.parametrize("mods, command, extra", [
+    (("pyarrow", "numpy", "crc32c"), ["pack", "s3://b/src", "s3://b/dst"], "packer"),
+    (("pyarrow", "numpy", "crc32c"), ["unpack", "s3://b/dst", "/tmp/never-made"], "packer"),
+    (("moto", "flask"), ["demo"], "server"),
+    (("grpc", "google.protobuf"), ["csi", "--node-id", "n"], "csi"),
+])
+def test_a_command_whose_extra_is_missing_names_it(mods, command, extra):
+    code = MISSING.format(mods=mods) + f"from cachefs.cli import main; sys.exit(main({command!r}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    expect_error(result, ExitCode.USAGE, f"pip install 'cachefs[{extra}]'")
+
+
+def test_importing_the_loader_without_its_extra_names_it():
+    code = MISSING.format(mods=("pyarrow", "numpy", "crc32c")) + "import cachefs.data"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "ImportError: cachefs.data needs the 'packer' extra (missing: pyarrow, numpy, crc32c): "
+        "pip install 'cachefs[packer]'")

@@ -1,4 +1,4 @@
-"""DESIGN invariant 1 on a real mount: a read never mixes object versions, and a change in the
+"""docs/design.md invariant 1 on a real mount: a read never mixes object versions, and a change in the
 bucket becomes visible after the metadata TTL (or never, for an --immutable dataset)."""
 
 import errno

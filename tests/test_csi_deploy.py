@@ -74,6 +74,41 @@ def test_manifests_agree_with_the_driver():
     assert set(docs("examples/secret.yaml")[0]["stringData"]) == {"accessKeyID", "secretAccessKey"}
 
 
+def _pod_specs() -> list[tuple[str, dict]]:
+    """Every pod template of deploy/ (Pods, and the pod templates of Jobs and other workloads)."""
+    found = []
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc.get("kind") not in ("Pod", "Job", "Deployment", "DaemonSet", "StatefulSet"):
+                continue
+            spec = doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
+            found.append((str(path.relative_to(DEPLOY)), spec))
+    return found
+
+
+def test_every_container_of_a_claim_uses_host_to_container_propagation():
+    """A repaired volume reaches a container only through a slave copy: every example that mounts
+    a claim does it with mountPropagation: HostToContainer."""
+    checked = 0
+    for name, spec in _pod_specs():
+        claims = {v["name"] for v in spec.get("volumes", []) if "persistentVolumeClaim" in v}
+        for container in spec["containers"]:
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] in claims:
+                    checked += 1
+                    assert mount.get("mountPropagation") == "HostToContainer", (name, container["name"], mount)
+    assert checked >= 3
+
+
+def test_the_agent_sees_containers_and_exports_its_metrics():
+    [agent_set] = docs("node-agent.yaml")
+    assert agent_set["spec"]["template"]["spec"]["hostPID"] is True
+    agent = _containers("node-agent.yaml")["agent"]
+    assert "--agent-metrics-port=9566" in agent["args"]
+    assert {"containerPort": 9566, "name": "agent-metrics"} in agent["ports"]
+    assert "${1}:9566" in (DEPLOY / "examples/prometheus-scrape.yaml").read_text()
+
+
 def test_dockerfile_is_debian_12_with_fuse3():
     text = (DEPLOY / "Dockerfile").read_text()
     assert text.startswith("#") and "FROM debian:12" in text and "fuse3" in text and "[csi]" in text

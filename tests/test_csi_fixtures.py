@@ -47,7 +47,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
 class Driver:
     """A node agent and a CSI plugin (`--mode both`) on sockets under ``root``."""
 
-    def __init__(self, root: Path, plugin_prefix: list[str] | None = None, metrics_port: int = 0) -> None:
+    def __init__(self, root: Path, plugin_prefix: list[str] | None = None, metrics_port: int = 0,
+                 agent_metrics_port: int = 0) -> None:
         self.root = root
         self.agent_socket = str(root / "agent.sock")
         self.csi_socket = str(root / "csi.sock")
@@ -55,6 +56,7 @@ class Driver:
         self.cache_root = root / "cache"
         self.plugin_prefix = plugin_prefix or []
         self.metrics_port = metrics_port
+        self.agent_metrics_port = agent_metrics_port
         self.agent: subprocess.Popen | None = None
         self.plugin: subprocess.Popen | None = None
         self._channel = None
@@ -72,7 +74,8 @@ class Driver:
             os.unlink(self.agent_socket)          # a killed agent's socket (the new one waits for its own)
         self.agent = self._spawn(["csi-agent", "--socket", self.agent_socket, "--state-dir", str(self.state_dir),
                                   "--cache-root", str(self.cache_root), "--cache-size", "2G",
-                                  "--metrics-port", str(self.metrics_port), "--check-interval", "0.5"], "agent.log", [])
+                                  "--metrics-port", str(self.metrics_port), "--check-interval", "0.5",
+                                  "--agent-metrics-port", str(self.agent_metrics_port)], "agent.log", [])
         wait_for(lambda: os.path.exists(self.agent_socket) or self.agent.poll() is not None, 30, "the agent socket")
         assert self.agent.poll() is None, self.log("agent.log")
 

@@ -1,12 +1,16 @@
-"""A kubelet stand-in (DESIGN §3): kubelet's real paths and calls, a scratch kubelet root made
-rshared, the plugin in its own PID and mount namespace (as in its container), and an app "pod" in a
-slave mount namespace reading the volume in a loop.
+"""A kubelet stand-in: kubelet's real paths and calls, a scratch kubelet root made rshared, the
+plugin in its own PID and mount namespace (as in its container, kubelet's tree shared with it as
+with Bidirectional propagation), and app "containers" that each bind the published target into
+their own mount namespace at their own path, as a container runtime does, and read only through
+that path: one a slave copy (``mountPropagation: HostToContainer``), one private (no propagation).
 
-- kill -9 the plugin and start it again: the pod's reads go on with zero errors (the daemons live
-  under the node agent, not in the plugin), and the new plugin adopts the volume;
-- kill -9 the volume's daemon: within 10 s new opens in the pod work again (the agent mounts the
-  volume again and re-binds the target), and a file written before the kill, still only in the
-  write-back journal, reaches the bucket (the new daemon replays the journal);
+- kill -9 the plugin and start it again: the containers' reads go on with zero errors (the daemons
+  live under the node agent, not in the plugin), and the new plugin adopts the volume;
+- kill -9 the volume's daemon, ten times in a row: each time the slave container reads the right
+  bytes again within 10 s and never sees an empty directory, a read-only target stays read-only in
+  its container, a file written before the kill (only in the write-back journal) reaches the
+  bucket; the private container cannot be repaired and NodeGetVolumeStats says so until it exits;
+  the agent counts the repairs;
 - unpublish and unstage leave nothing mounted and no daemon behind.
 """
 
@@ -18,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -25,7 +30,7 @@ import pytest
 from mounts import put_tree, require_fuse
 from test_csi_fixtures import SECRETS, Driver, capability, cleanup_mounts, mounted_under, static_context, wait_for
 
-from cachefs.demo.local_s3 import s3_client
+from cachefs.demo.local_s3 import free_port, s3_client
 from csi.proto import pb
 
 pytestmark = pytest.mark.fuse
@@ -33,36 +38,72 @@ pytestmark = pytest.mark.fuse
 DRIVER = "csi.cachefs.io"
 FILES = {f"f{i:02d}.txt": f"file {i} ".encode() * (50 + i) for i in range(20)}
 
-# The pod: opens a new file each turn, checks its bytes, and rewrites a status file (ok, errors,
-# time of the last good read).
+# The container's process: opens a new file each turn, checks its bytes, and rewrites a status file
+# (good reads, failed reads, wrong bytes, files missing from the listing, writes that a read-only
+# view let through, time of the last good read).
 READER = r"""
 import json, os, sys, time
-target, status, expected = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-ok = err = 0; last_ok = 0.0; names = sorted(expected); i = 0; errors = []
+view, status, expected, readonly = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "ro"
+ok = err = wrong = missing = written = 0; last_ok = 0.0; names = sorted(expected); i = 0; errors = []
+events = open(status.rsplit(".", 1)[0] + ".log", "a", buffering=1)   # "TIME ok|err" at each change
+state = None
+def mark(now):
+    global state
+    if now != state:
+        events.write(f"{time.time():.3f} {now}\n"); state = now
 while True:
     name = names[i % len(names)]; i += 1
     try:
-        with open(os.path.join(target, name), "rb") as fh:
-            good = fh.read() == expected[name].encode()
+        with open(os.path.join(view, name), "rb") as fh:
+            data = fh.read()
+        if data == expected[name].encode():
+            ok += 1; last_ok = time.time(); mark("ok")
+        else:
+            wrong += 1
+        if i % 10 == 0 and set(names) - set(os.listdir(view)):
+            missing += 1                       # a live view that lists without the dataset's files
+        if readonly and i % 10 == 0:
+            try:
+                with open(os.path.join(view, "ro-probe.txt"), "wb") as fh:
+                    fh.write(b"x")
+                written += 1
+            except OSError:
+                pass
+    except FileNotFoundError as exc:
+        missing += 1; errors.append(f"{time.time():.2f} {name} {exc.strerror}")
     except OSError as exc:
-        good = False; errors.append(f"{time.time():.2f} {name} {exc.strerror}")
-    if good:
-        ok += 1; last_ok = time.time()
-    else:
-        err += 1
+        err += 1; errors.append(f"{time.time():.2f} {name} {exc.strerror}"); mark("err")
     with open(status + ".tmp", "w") as fh:
-        json.dump({"ok": ok, "err": err, "last_ok": last_ok, "errors": errors[-5:]}, fh)
+        json.dump({"ok": ok, "err": err, "wrong": wrong, "missing": missing, "written": written,
+                   "last_ok": last_ok, "errors": errors[-5:]}, fh)
     os.replace(status + ".tmp", status)
     time.sleep(0.02)
 """
 
+# The container runtime's part: a mount namespace of the container's own (a slave copy of the host's
+# mounts with HostToContainer, a private one without), the target bound at the container's own path.
+CONTAINER = r"""
+set -e
+mount --bind "$1" "$2"
+[ "$3" = private ] && mount --make-private "$2"
+shift 3
+exec "$@"
+"""
+
 
 class Pod:
-    def __init__(self, target: str, status: Path) -> None:
+    """A container reading the volume through its own bind of ``target`` at ``view``."""
+
+    def __init__(self, target: str, status: Path, *, propagation: str = "slave", view: Path | None = None,
+                 readonly: bool = False) -> None:
         self.status_path = status
         expected = json.dumps({k: v.decode() for k, v in FILES.items()})
-        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "slave", sys.executable, "-c", READER,
-                                      target, str(status), expected], start_new_session=True)
+        view = view or status.with_suffix(".view")
+        view.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "slave", "sh", "-c", CONTAINER,
+                                      "container", target, str(view), propagation, sys.executable, "-c", READER,
+                                      str(view), str(status), expected, "ro" if readonly else "rw"],
+                                     start_new_session=True)
 
     def status(self) -> dict:
         for _ in range(50):
@@ -89,17 +130,41 @@ def kubelet_root(tmp_path: Path):
     subprocess.run(["umount", "-l", str(root)], capture_output=True)
 
 
+KILLS = 10
+
+
+def publish_request(handle: str, staging: Path, target: Path, ctx: dict, pod_uid: str, readonly: bool = False):
+    return pb.NodePublishVolumeRequest(
+        volume_id=handle, staging_target_path=str(staging), target_path=str(target), readonly=readonly,
+        volume_capability=capability(), volume_context={
+            **ctx, "csi.storage.k8s.io/pod.name": "trainer-0", "csi.storage.k8s.io/pod.namespace": "default",
+            "csi.storage.k8s.io/pod.uid": pod_uid, "csi.storage.k8s.io/serviceAccount.name": "default",
+            "csi.storage.k8s.io/ephemeral": "false"})
+
+
+def agent_metric(port: int, name: str, volume_id: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{volume_id="{volume_id}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} for {volume_id} not exported:\n{text}")
+
+
 def test_mounts_survive_plugin_and_daemon_kills(kubelet_root, tmp_path, s3_server, bucket):
     client = s3_client(s3_server.endpoint_url)
     put_tree(client, bucket, "data", FILES)
-    handle, pv, pod_uid = "vol-kubelet", "pv-data", str(uuid.uuid4())
+    handle, pv = "vol-kubelet", "pv-data"
+    uids = [str(uuid.uuid4()) for _ in range(2)]
     staging = kubelet_root / f"plugins/kubernetes.io/csi/{DRIVER}/{hashlib.sha256(handle.encode()).hexdigest()}/globalmount"
-    target = kubelet_root / f"pods/{pod_uid}/volumes/kubernetes.io~csi/{pv}/mount"
-    staging.parent.mkdir(parents=True)
-    target.parent.mkdir(parents=True)
+    target, target_ro = (kubelet_root / f"pods/{uid}/volumes/kubernetes.io~csi/{pv}/mount" for uid in uids)
+    for path in (staging, target, target_ro):
+        path.parent.mkdir(parents=True)
     (tmp_path / "plugin").mkdir()
-    drv = Driver(tmp_path / "plugin", plugin_prefix=["unshare", "--mount", "--pid", "--fork", "--kill-child"])
-    pod = None
+    agent_port = free_port()
+    # the plugin's container shares kubelet's tree (Bidirectional propagation)
+    drv = Driver(tmp_path / "plugin", agent_metrics_port=agent_port,
+                 plugin_prefix=["unshare", "--mount", "--propagation", "unchanged", "--pid", "--fork", "--kill-child"])
+    pods: list[Pod] = []
     try:
         drv.start_agent()
         drv.start_plugin()
@@ -107,57 +172,81 @@ def test_mounts_survive_plugin_and_daemon_kills(kubelet_root, tmp_path, s3_serve
         drv.node.NodeStageVolume(pb.NodeStageVolumeRequest(
             volume_id=handle, staging_target_path=str(staging), volume_capability=capability(), volume_context=ctx,
             secrets=SECRETS), timeout=120)
-        publish = pb.NodePublishVolumeRequest(
-            volume_id=handle, staging_target_path=str(staging), target_path=str(target),
-            volume_capability=capability(), volume_context={
-                **ctx, "csi.storage.k8s.io/pod.name": "trainer-0", "csi.storage.k8s.io/pod.namespace": "default",
-                "csi.storage.k8s.io/pod.uid": pod_uid, "csi.storage.k8s.io/serviceAccount.name": "default",
-                "csi.storage.k8s.io/ephemeral": "false"})
-        drv.node.NodePublishVolume(publish, timeout=60)
-        pod = Pod(str(target), tmp_path / "pod.json")
-        wait_for(lambda: pod.status()["ok"] >= 20, 30, "the pod's first reads")
-        assert pod.status()["err"] == 0, pod.status()
+        drv.node.NodePublishVolume(publish_request(handle, staging, target, ctx, uids[0]), timeout=60)
+        drv.node.NodePublishVolume(publish_request(handle, staging, target_ro, ctx, uids[1], readonly=True),
+                                   timeout=60)
+        slave = Pod(str(target), tmp_path / "slave.json")
+        private = Pod(str(target), tmp_path / "private.json", propagation="private")
+        slave_ro = Pod(str(target_ro), tmp_path / "slave-ro.json", readonly=True)
+        pods = [slave, private, slave_ro]
+        for pod in pods:
+            wait_for(lambda pod=pod: pod.status()["ok"] >= 20, 30, "the containers' first reads")
+            assert pod.status()["err"] == 0, pod.status()
 
         # 1. the plugin dies and comes back: no read fails, the new plugin adopts the volume
-        before = pod.status()
+        before = slave.status()
         drv.kill_plugin()
         time.sleep(2)
-        during = pod.status()
+        during = slave.status()
         assert during["err"] == 0 and during["ok"] > before["ok"] + 20, during
         drv.start_plugin()
-        drv.node.NodePublishVolume(publish, timeout=60)                # kubelet retries: idempotent
+        drv.node.NodePublishVolume(publish_request(handle, staging, target, ctx, uids[0]), timeout=60)  # idempotent
         stats = drv.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id=handle, volume_path=str(target)))
         assert not stats.volume_condition.abnormal
-        assert pod.status()["err"] == 0, pod.status()
+        assert all(pod.status()["err"] == 0 for pod in pods), [pod.status() for pod in pods]
 
-        # 2. the daemon dies with a file only in its journal: mounted again, journal replayed
+        # 2. the daemon dies, KILLS times in a row (the first time with a file only in its journal)
         (target / "written.txt").write_bytes(b"staged before the crash")
         assert "Contents" not in client.list_objects_v2(Bucket=bucket, Prefix="data/written.txt")
-        [pid] = drv.daemon_pids()
-        os.kill(pid, signal.SIGKILL)
-        killed_at = time.time()
-        wait_for(lambda: pod.status()["last_ok"] > killed_at + 0.5, 10, "new opens in the pod after the daemon died")
-        after = pod.status()
-        recovered = time.time() - killed_at
+        gaps = []
+        first_kill = None
+        for _ in range(KILLS):
+            [pid] = drv.daemon_pids()
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.time()
+            first_kill = first_kill or killed_at
+            for pod in (slave, slave_ro):
+                wait_for(lambda pod=pod, t=killed_at: pod.status()["last_ok"] > t + 0.3, 10,
+                         "the slave container's reads after the daemon died")
+            gaps.append(recovery_gap(slave.status_path.with_suffix(".log"), killed_at))
+            wait_for(lambda pid=pid: len(drv.daemon_pids()) == 1 and drv.daemon_pids() != [pid], 10, "the new daemon")
         wait_for(lambda: "Contents" in client.list_objects_v2(Bucket=bucket, Prefix="data/written.txt"), 30,
                  "the journalled file in the bucket")
         assert client.get_object(Bucket=bucket, Key="data/written.txt")["Body"].read() == b"staged before the crash"
         assert (target / "written.txt").read_bytes() == b"staged before the crash"
-        assert drv.daemon_pids() != [pid] and len(drv.daemon_pids()) == 1
+        for pod in (slave, slave_ro):
+            status = pod.status()
+            assert status["wrong"] == 0 and status["missing"] == 0, status    # never wrong bytes, never empty
+        assert slave_ro.status()["written"] == 0, "a read-only target became writable in its container"
+        # the private container never recovers: its view is a copy of the first dead mount
+        assert 0 < private.status()["last_ok"] < first_kill, private.status()
         stats = drv.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id=handle, volume_path=str(target)))
-        assert not stats.volume_condition.abnormal
-        print(f"reads recovered {recovered:.1f} s after the daemon was killed; {after['err']} failed meanwhile")
+        assert stats.volume_condition.abnormal and "HostToContainer" in stats.volume_condition.message, stats
+        assert agent_metric(agent_port, "cachefs_csi_volume_repairs_total", handle) == KILLS
+        assert agent_metric(agent_port, "cachefs_csi_volume_abnormal", handle) == 1
+        private.stop()                                  # the pod is restarted: nothing holds a dead view
+        pods.remove(private)
+        wait_for(lambda: not drv.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(
+            volume_id=handle, volume_path=str(target))).volume_condition.abnormal, 10, "a normal volume condition")
+        assert agent_metric(agent_port, "cachefs_csi_volume_abnormal", handle) == 0
+        gaps.sort()
+        print(f"slave container: right bytes again {gaps[len(gaps) // 2]:.2f} s (p50), {gaps[-1]:.2f} s (max) "
+              f"after each of {KILLS} daemon kills")
+        assert gaps[-1] < 10
 
-        # 3. unpublish + unstage: nothing mounted, no daemon
-        pod.stop()
-        pod = None
-        drv.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(target)))
+        # 3. unpublish + unstage: nothing mounted (dead layers included), no daemon
+        for pod in pods:
+            pod.stop()
+        pods = []
+        for path in (target, target_ro):
+            drv.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(path)))
         drv.node.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(staging)),
                                    timeout=120)
         assert mounted_under(kubelet_root) == []
+        assert mounted_under(tmp_path / "plugin") == []
         wait_for(lambda: drv.daemon_pids() == [], 10, "the daemon to exit")
     finally:
-        if pod is not None:
+        for pod in pods:
             pod.stop()
         pids = drv.daemon_pids()
         drv.stop()
@@ -165,3 +254,11 @@ def test_mounts_survive_plugin_and_daemon_kills(kubelet_root, tmp_path, s3_serve
         for leftover in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(leftover, signal.SIGKILL)
+
+
+def recovery_gap(log: Path, killed_at: float) -> float:
+    """Seconds from ``killed_at`` to the container's first good read after the failures it caused."""
+    events = [line.split() for line in log.read_text().splitlines()]
+    failed = [float(t) for t, kind in events if kind == "err" and float(t) >= killed_at]
+    assert failed, "the container saw no failure after the kill"
+    return min(float(t) for t, kind in events if kind == "ok" and float(t) > failed[0]) - killed_at

@@ -81,6 +81,7 @@ def test_attributes_map_to_mount_options():
     ({"url": "http://b"}, "'url'"),
     ({"url": "s3://AKIA:secret@b/p"}, "'url'"),
     ({"endpoint": "http://x"}, "'url'"),
+    ({"url": "s3://b", "endpoint": "rgw.storage.svc:7480"}, "'endpoint'"),
 ])
 def test_bad_attributes_name_the_key(attributes, key):
     with pytest.raises(CsiError) as info:

@@ -114,6 +114,40 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_samples(packed):
     assert interleave(shares)[:len(files) - 77] == full[77:]
 
 
+@pytest.mark.parametrize("order", ["load-then-set-epoch", "set-epoch-then-load"])
+def test_resume_survives_the_training_loops_set_epoch_in_either_order(packed, order):
+    """A training loop restores the loader's state, then calls set_epoch(start_epoch) at the top of
+    its epoch loop (or the other way round): either way the epoch resumes, it does not replay."""
+    root, files = packed
+    first = PackedIterableDataset(root, seed=3)
+    first.set_epoch(2)
+    it = iter(first)
+    seen = [next(it)[0] for _ in range(50)]
+    state = first.state_dict()
+    full = PackedIterableDataset(root, seed=3)
+    full.set_epoch(2)
+    expected = paths_of(full)
+    resumed = PackedIterableDataset(root, seed=3)
+    if order == "load-then-set-epoch":
+        resumed.load_state_dict(state)
+        resumed.set_epoch(state["epoch"])
+    else:
+        resumed.set_epoch(state["epoch"])
+        resumed.load_state_dict(state)
+    rest = paths_of(resumed)
+    assert seen + rest == expected and len(rest) == len(files) - 50
+    resumed.set_epoch(3)                          # the next epoch starts from its first sample
+    assert len(paths_of(resumed)) == len(files)
+
+
+def test_set_epoch_to_another_epoch_after_a_load_warns_that_the_position_is_dropped(packed):
+    root, _ = packed
+    ds = PackedIterableDataset(root, seed=3)
+    ds.load_state_dict({"seed": 3, "epoch": 4, "consumed": 10})
+    with pytest.warns(UserWarning, match="drops the resume position loaded for epoch 4"):
+        ds.set_epoch(5)
+
+
 def test_order_helpers_pad_evenly_when_consumers_outnumber_samples():
     order = epoch_order([np.array([0, 1]), np.array([2])], seed=1, epoch=0)
     shares = [consumer_share(order, 0, c, 8).tolist() for c in range(8)]

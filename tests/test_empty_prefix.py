@@ -1,5 +1,5 @@
 """A new output prefix (no objects under it yet) mounts writable; a read-only mount of one is a
-likely typo: refused with exit 3 unless --allow-empty-prefix (issue 13, item 1)."""
+likely typo: refused with exit 3 unless --allow-empty-prefix."""
 
 import pytest
 from mounts import cachefs

@@ -1,4 +1,4 @@
-"""Fault campaign (issue 13): readers on a real mount read a dataset over and over through
+"""Fault campaign: readers on a real mount read a dataset over and over through
 benchmarks/latency_proxy.py while it injects a seeded random schedule of every fault it knows (503
 SlowDown with Retry-After, 500, resets before and mid-body, stalls before and mid-body, slow first
 byte, truncated bodies, wrong Content-Range) plus server restarts. Every byte read is compared with

@@ -1,6 +1,6 @@
 """Faults on a real mount: object-store errors, outages and hangs (through the fault-injecting
 proxy), and a full or failing cache disk. A fault fails at most the read it hits; the daemon
-keeps serving (DESIGN invariant 4)."""
+keeps serving (docs/design.md, invariant 4)."""
 
 import errno
 import os

@@ -1,4 +1,4 @@
-"""Bad-input fuzzing (issue 13), with Hypothesis: config files and flags of `cachefs mount`, the
+"""Bad-input fuzzing, with Hypothesis: config files and flags of `cachefs mount`, the
 write-back journal's records, the listing snapshot and ListObjectsV2 answers. Each input either
 works or is refused with a one-line message and a documented exit code (2 for bad config); never a
 traceback, never wrong data, never lost staged data the daemon can still read.

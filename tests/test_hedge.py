@@ -322,7 +322,7 @@ class SlowStore(ObjectStore):
     """An object store whose GETs are trio tasks of scripted duration (the first GET of ``slow_path``
     straggles); it records the limiter each GET was given."""
 
-    identity = "fake|slow"
+    identity, url = "fake|slow", "fake://slow"
 
     def __init__(self, data: bytes) -> None:
         self.data = data

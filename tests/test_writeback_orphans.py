@@ -1,4 +1,4 @@
-"""Orphaned multipart uploads (issue 13 item 4): a SIGKILL mid multipart upload leaves the upload
+"""Orphaned multipart uploads: a SIGKILL mid multipart upload leaves the upload
 open in the bucket (billed, never visible); the journal notes each upload id before its first part
 and the next start aborts every noted upload. Real daemon, real moto server on loopback."""
 

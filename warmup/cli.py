@@ -9,7 +9,7 @@ import signal
 import sys
 
 from cachefs.control.client import hello, request
-from cachefs.errors import CachefsError, ExitCode, PermissionDenied, Unsupported, UsageError
+from cachefs.errors import CachefsError, ExitCode, PermissionDenied, Unsupported, UsageError, exit_codes_help
 
 from .locate import Target, locate, one_mount
 from .manifest import read_manifest
@@ -24,13 +24,7 @@ class WarmupExit:
     INTERRUPTED = 130   # Ctrl-C: rerun to fetch only what is missing
 
 
-EXIT_CODES = """exit codes:
-  0 everything warmed (or --check/--evict/--unpin done)   2 bad arguments or manifest
-  5 the object store failed (listing)    9 no cachefs mount or daemon serves the dataset
-  11 some files failed (listed)          12 refused: the dataset does not fit the cache (--force)
-  13 refused: only root and the mount's owner may warm, evict, pin or unpin (--check is open to all)
-  14 the daemon is too old for this command (remount with this cachefs version)
-  130 interrupted (Ctrl-C): run it again to fetch only what is missing"""
+EXIT_CODES = exit_codes_help([0, 2, 5, 9, WarmupExit.FAILED, WarmupExit.REFUSED, 13, 14, WarmupExit.INTERRUPTED])
 
 _UPLOAD_CHUNK = 512 << 10
 

@@ -1,6 +1,6 @@
 """The cache-file channel: a loader on this machine (``cachefs.data``) asks the daemon for the
 disk-tier files that hold a packed shard and reads them itself, with no FUSE request per read
-(the short-circuit local read of HDFS and Alluxio; DESIGN section 4, the packer's lever).
+(the short-circuit local read of HDFS and Alluxio; docs/design.md, components, the packer's lever).
 
 A unix socket, ``CACHE_DIR/loader.sock``, mode 0600, whose peers are checked (SO_PEERCRED): only
 the daemon's user and root are answered, and they may read the cache files anyway. One request per connection, a JSON line::

@@ -11,6 +11,7 @@ sample a DataLoader worker yields reaches the training process by reference (``b
 
 import importlib.util
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -95,9 +96,18 @@ class PackedIterableDataset(_Packed, _IterableBase):
         self._start = 0          # samples of this epoch consumed before this iteration (resume)
         self._yielded = 0        # samples this process yielded in this epoch since _start
         self._consumers = self.world_size
+        self._resuming = False   # a loaded position not yet iterated from
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self._start, self._yielded = epoch, 0, 0
+        """Start epoch ``epoch`` from its first sample, unless it is the epoch a ``load_state_dict``
+        just restored: then it resumes there (a training loop may call this after loading)."""
+        if self._resuming and epoch == self.epoch:
+            return
+        if self._resuming and self._start:
+            warnings.warn(f"set_epoch({epoch}) drops the resume position loaded for epoch {self.epoch} "
+                          f"({self._start} samples consumed): epoch {epoch} starts from its first sample",
+                          stacklevel=2)
+        self.epoch, self._start, self._yielded, self._resuming = epoch, 0, 0, False
 
     def order(self):
         """This epoch's global sample order (identical for every rank and worker count)."""
@@ -110,6 +120,7 @@ class PackedIterableDataset(_Packed, _IterableBase):
         return -(-remaining // consumers)
 
     def __iter__(self) -> Iterator:
+        self._resuming = False
         consumer, consumers = self._consumer()
         share = consumer_share(self.order(), self._start, consumer, consumers)
         self._consumers = consumers
@@ -147,8 +158,10 @@ class PackedIterableDataset(_Packed, _IterableBase):
         return {"seed": self.seed, "epoch": self.epoch, "consumed": min(int(consumed), len(self.index))}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state`` (from ``state_dict``): the next iteration, or the next one after a
+        ``set_epoch`` of the same epoch, yields exactly the samples not consumed yet."""
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
-        self._start, self._yielded = int(state["consumed"]), 0
+        self._start, self._yielded, self._resuming = int(state["consumed"]), 0, True
 
 
 def _shards_in_order(shards) -> list[int]:

@@ -17,7 +17,8 @@ import time
 import trio
 
 from cachefs.control.protocol import CONTROL_NAME
-from cachefs.errors import NoSuchKey, StoreError
+from cachefs.errors import NeedsWait, NoSuchKey, StoreError
+from cachefs.namespace.changes import NameChanges
 from cachefs.namespace.dirs import DirHandle, DirSource, DirState, dir_prefix, join, split
 from cachefs.namespace.handles import Handle
 from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, FsStats, Node, NodeTable
@@ -27,7 +28,6 @@ from cachefs.singleflight import SingleFlight
 from cachefs.store import Listing, ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
 from cachefs.writeback.engine import Writeback
-from cachefs.writeback.overlay import staged_info
 from cachefs.writeback.staged import StagedFile
 
 __all__ = ["CONTROL_INODE", "CONTROL_NAME", "ROOT_INODE", "DirState", "FsError", "FsStats", "Handle", "Node",
@@ -36,10 +36,9 @@ __all__ = ["CONTROL_INODE", "CONTROL_NAME", "ROOT_INODE", "DirState", "FsError",
 log = logging.getLogger(__name__)
 
 OUTAGE_RETRY = 5.0      # seconds between revalidation attempts while the store is failing
-RENAME_NOREPLACE = 1
 
 
-class Vfs:
+class Vfs(NameChanges):
     def __init__(self, store: ObjectStore, blocks: Tiers, snapshot: ListingSnapshot | None, *,
                  metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None,
                  writeback: Writeback | None = None, fsync_remote: bool = False,
@@ -177,11 +176,37 @@ class Vfs:
             self.blocks.readahead_file(FileVersion(node.path, node.etag, node.size))   # an open comes next
         return node
 
+    def lookup_now(self, parent_inode: int, name: str) -> Node:
+        """``lookup`` when the parent's listing is cached and fresh (NeedsWait otherwise)."""
+        parent = self.node(parent_inode)
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if self.packed is not None and parent.inode == ROOT_INODE and name == PACKED_DIR:
+            node = self._node_for(PACKED_DIR, True, None)
+        else:
+            state = self._dirs.get(parent.path)
+            if state is None or not self.is_fresh(state.listed_at) or parent.path in self._replayed:
+                raise NeedsWait
+            node = self._child_in(state, parent, name)
+        self.remember(node)
+        if node.is_store_file and node.kernel_etag != node.etag and self.packed is None and self.is_fresh(node.checked_at):
+            self.blocks.readahead_file(FileVersion(node.path, node.etag, node.size))   # an open comes next
+        return node
+
+    def getattr_now(self, inode: int) -> Node:
+        """``getattr`` when the node needs no revalidation (NeedsWait otherwise)."""
+        node = self.node(inode)
+        if node.is_store_file and not self.is_fresh(node.checked_at):
+            raise NeedsWait
+        return node
+
     async def child(self, parent: Node, name: str) -> Node:
         """The node for ``name`` in ``parent`` without touching its lookup count."""
         if self.packed is not None and parent.inode == ROOT_INODE and name == PACKED_DIR:
             return self._node_for(PACKED_DIR, True, None)    # the raw layout: found, not listed
-        state = await self.dir_state(parent.path)
+        return self._child_in(await self.dir_state(parent.path), parent, name)
+
+    def _child_in(self, state: DirState, parent: Node, name: str) -> Node:
         path = join(parent.path, name)
         if name in state.dirs:
             return self._node_for(path, True, None)
@@ -210,7 +235,7 @@ class Vfs:
         return node
 
     async def revalidate(self, node: Node) -> None:
-        """Refresh a file's metadata with a HEAD once its TTL has passed (DESIGN invariant 1)."""
+        """Refresh a file's metadata with a HEAD once its TTL has passed (docs/design.md, invariant 1)."""
         if self.is_fresh(node.checked_at):
             return
         try:
@@ -259,6 +284,23 @@ class Vfs:
         self.dir_handles.pop(fh, None)
 
     # ---- files ------------------------------------------------------------------------------
+    def open_now(self, inode: int, flags: int) -> tuple[Handle, bool]:
+        """``open`` of a file for reading that needs no revalidation and no content pushed to the
+        kernel first (``preload``): NeedsWait otherwise."""
+        node = self.node(inode)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND) or not self.is_fresh(node.checked_at):
+            raise NeedsWait
+        if node.kernel_etag != node.etag and node.staged is None and (
+                self.packed is not None or self.blocks.preload_needed(FileVersion(node.path, node.etag, node.size))):
+            raise NeedsWait               # the open pushes the content to the kernel: an await
+        if self.packed is not None:
+            return self._open_packed(node, flags)
+        if node.staged is not None:
+            return self._new_handle(node, node.staged, writable=False), False
+        return self._open_version(node)
+
     async def open(self, inode: int, flags: int) -> tuple[Handle, bool]:
         """A handle pinned to the object's current version, and whether the kernel may keep
         its cached pages (only when the version it cached is still current)."""
@@ -272,6 +314,9 @@ class Vfs:
         if node.staged is not None:
             return self._new_handle(node, node.staged, writable=False), False
         await self.revalidate(node)
+        return self._open_version(node)
+
+    def _open_version(self, node: Node) -> tuple[Handle, bool]:
         keep_cache = node.kernel_etag == node.etag
         node.kernel_etag = node.etag
         fh = self.new_fh()
@@ -299,6 +344,24 @@ class Vfs:
         if handle.file is None or handle.node.staged is not None:
             return None
         return await self.blocks.preload(handle.file, handle.stream)
+
+    def read_now(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+        """``read`` of a store file whose blocks the memory tier holds (NeedsWait otherwise)."""
+        handle = self.handles[fh]
+        node = handle.node
+        if node.packed is not None or node.staged is not None or handle.entry is not None or handle.file is None:
+            raise NeedsWait
+        return self.blocks.read_now(handle.file, offset, size, handle.stream)
+
+    def release_now(self, fh: int) -> None:
+        """``release`` of a handle with no staged file (NeedsWait for one that has)."""
+        handle = self.handles.get(fh)
+        if handle is not None and handle.entry is not None:
+            raise NeedsWait
+        if handle is not None:
+            del self.handles[fh]
+            handle.node.opens -= 1
+            self.forget(handle.node.inode, 0)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
@@ -426,132 +489,6 @@ class Vfs:
             self._dirs[path] = DirState(time.time(), {}, set())
         else:
             self._dirs.pop(path, None)
-
-    async def create(self, parent_inode: int, name: str, flags: int) -> tuple[Handle, Node]:
-        wb = self._writeback()
-        parent, state = await self._parent_state(parent_inode)
-        if name in state.dirs:
-            raise FsError(errno.EISDIR)
-        path = join(parent.path, name)
-        staged = wb.staged(path)
-        if staged is not None:
-            entry = staged
-            await wb.truncate(entry, 0)
-        else:
-            entry = await wb.create(path, remote=name in state.files)
-        self._set_file(path, staged_info(entry))
-        node = self._node_for(path, False, None)
-        node.show(entry)
-        self.remember(node)
-        return self._new_handle(node, entry, writable=bool(flags & (os.O_WRONLY | os.O_RDWR))), node
-
-    async def mkdir(self, parent_inode: int, name: str) -> Node:
-        wb = self._writeback()
-        parent, state = await self._parent_state(parent_inode)
-        if name in state.dirs or name in state.files:
-            raise FsError(errno.EEXIST)
-        path = join(parent.path, name)
-        await wb.make_dir(path)
-        self._set_dir(path, True)
-        self._saved.dir_changed(path, True)
-        node = self._node_for(path, True, None)
-        self.remember(node)
-        return node
-
-    async def _empty_dir(self, path: str) -> bool:
-        state = await self.dir_state(path)
-        return not state.files and not state.dirs
-
-    async def rmdir(self, parent_inode: int, name: str) -> None:
-        wb = self._writeback()
-        parent, state = await self._parent_state(parent_inode)
-        path = join(parent.path, name)
-        if name not in state.dirs:
-            raise FsError(errno.ENOTDIR if name in state.files else errno.ENOENT)
-        if not await self._empty_dir(path):
-            raise FsError(errno.ENOTEMPTY)
-        await wb.remove_dir(path)
-        self._set_dir(path, False)
-        self._saved.dir_changed(path, False)
-        self._nodes.unlink(path)
-
-    async def unlink(self, parent_inode: int, name: str) -> None:
-        wb = self._writeback()
-        parent, state = await self._parent_state(parent_inode)
-        path = join(parent.path, name)
-        if name in state.dirs:
-            raise FsError(errno.EISDIR)
-        entry = wb.staged(path)
-        if entry is not None:
-            await wb.unlink(entry)
-        elif name in state.files:
-            await wb.delete(path)
-        else:
-            raise FsError(errno.ENOENT)
-        self._set_file(path, None)
-        self._saved.file_changed(path, None)
-        self._nodes.unlink(path)
-
-    async def rename(self, old_parent: int, old_name: str, new_parent: int, new_name: str, flags: int) -> None:
-        self._writeback()
-        if flags & ~RENAME_NOREPLACE:
-            raise FsError(errno.EINVAL, "only RENAME_NOREPLACE is supported")
-        src_parent, src = await self._parent_state(old_parent)
-        dst_parent, dst = await self._parent_state(new_parent)
-        old, new = join(src_parent.path, old_name), join(dst_parent.path, new_name)
-        if old == new:
-            return
-        exists = new_name in dst.files or new_name in dst.dirs
-        if flags & RENAME_NOREPLACE and exists:
-            raise FsError(errno.EEXIST)
-        if old_name in src.dirs:
-            await self._rename_dir(old, new, dst, new_name)
-        elif old_name in src.files:
-            if new_name in dst.dirs:
-                raise FsError(errno.EISDIR)
-            await self._rename_file(old, new, replaces=new_name in dst.files)
-        else:
-            raise FsError(errno.ENOENT)
-        self._nodes.move(old, new)
-
-    async def _rename_file(self, old: str, new: str, *, replaces: bool) -> None:
-        wb = self.wb
-        entry = wb.staged(old)
-        if entry is not None:
-            await wb.move(entry, new, replaces_object=replaces and wb.staged(new) is None)
-            self._set_file(old, None)
-            self._saved.file_changed(old, None)        # the new name's row comes with its upload
-            self._set_file(new, staged_info(entry))
-            return
-        # A file only in the store: a server-side copy now, the old name deleted by a tombstone.
-        with self._saved.stale_while(split(new)[0]):       # no record covers the copy
-            info = await trio.to_thread.run_sync(self.store.copy, old, new, limiter=self._limiter)
-            self._saved.file_changed(new, info)
-        other = wb.staged(new)
-        if other is not None:
-            await wb.unlink(other)
-        wb.cancel_delete(new)
-        await wb.delete(old)
-        self._set_file(old, None)
-        self._saved.file_changed(old, None)
-        self._set_file(new, info)
-        self._uploaded[new] = (info, time.time())
-
-    async def _rename_dir(self, old: str, new: str, dst: DirState, new_name: str) -> None:
-        """Only an empty directory moves: S3 has no directory objects to rename (EXDEV makes
-        ``mv`` copy the tree and delete the original instead)."""
-        if new_name in dst.files:
-            raise FsError(errno.ENOTDIR)
-        if not await self._empty_dir(old):
-            raise FsError(errno.EXDEV, "renaming a non-empty directory is not supported on an object store")
-        if new_name in dst.dirs and not await self._empty_dir(new):
-            raise FsError(errno.ENOTEMPTY)
-        await self.wb.make_dir(new)
-        await self.wb.remove_dir(old)
-        self._set_dir(old, False)
-        self._set_dir(new, True)
-        self._saved.dir_changed(old, False)
-        self._saved.dir_changed(new, True)
 
     def _retired(self, entry: StagedFile, info: ObjectInfo) -> None:
         """``entry`` is in the store as ``info``: serve it through the block cache from now on."""

@@ -16,7 +16,7 @@ class PackExit:
     SOURCE_CHANGED = 22   # a source object changed while it was packed: run again
     CORRUPT = 23          # a shard or the index failed a check: crc, offsets, truncated or foreign Parquet
     UNKNOWN_VERSION = 24  # the manifest's format version is not one this tool reads
-    INCOMPLETE = 25       # --merge: a worker has not committed its part yet
+    INCOMPLETE = 25       # --merge: a worker has not committed its part yet; another pack holds DST
     INTERRUPTED = 130     # Ctrl-C: run again to resume (finished shards are kept)
 
 
@@ -49,4 +49,10 @@ class UnknownVersion(PackFormatError):
 
 
 class Incomplete(CachefsError):
+    exit_code = PackExit.INCOMPLETE
+
+
+class PackBusy(CachefsError):
+    """Another pack is writing the same destination (its lease is fresh)."""
+
     exit_code = PackExit.INCOMPLETE

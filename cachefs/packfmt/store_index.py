@@ -24,7 +24,7 @@ def open_index(store: ObjectStore) -> tuple[Manifest, "PackedIndex"]:
     """The manifest and validated index of the packed dataset at the store's root."""
     manifest = read_manifest(store)
     if manifest is None:
-        raise NoSuchKey(f"{store.identity}: no {MANIFEST}: not a packed dataset")
+        raise NoSuchKey(f"{store.url}: no {MANIFEST}: not a packed dataset")
     try:
         files, shards = read_object(store, manifest.index_files), read_object(store, manifest.index_shards)
     except NoSuchKey as exc:

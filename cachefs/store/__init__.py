@@ -5,11 +5,12 @@ fsspec adapter. The store modules import ``base`` and ``url``, never this regist
 no import circle.
 """
 
+from cachefs.config import parse_endpoint
 from cachefs.metrics import Metrics
 from cachefs.store.base import Listing, ObjectInfo, ObjectStore
 from cachefs.store.url import StoreURL, parse_url
 
-__all__ = ["Listing", "ObjectInfo", "ObjectStore", "StoreURL", "open_store", "parse_url"]
+__all__ = ["Listing", "ObjectInfo", "ObjectStore", "StoreURL", "open_store", "parse_endpoint", "parse_url"]
 
 
 def _open_s3(url: str, parsed: StoreURL, metrics: Metrics, options: dict, max_attempts: int) -> ObjectStore:
@@ -31,6 +32,8 @@ def open_store(url: str, *, metrics: Metrics, endpoint_url: str | None = None, r
                read_timeout: float = 30.0, max_attempts: int = 5, lean_requests: bool = True) -> ObjectStore:
     """The store for ``url``: S3Store for ``s3://``, FsspecStore for any other fsspec scheme."""
     parsed = parse_url(url)
+    if endpoint_url is not None:
+        endpoint_url = parse_endpoint(endpoint_url)
     options = dict(endpoint_url=endpoint_url, region=region, profile=profile, max_connections=max_connections,
                    connect_timeout=connect_timeout, read_timeout=read_timeout, lean_requests=lean_requests)
     opener = _OPENERS.get(parsed.scheme, _open_fsspec)

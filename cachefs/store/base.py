@@ -32,6 +32,8 @@ class Listing:
 class ObjectStore(ABC):
     #: Scheme, endpoint, bucket and root prefix; never credentials. Part of every cache key.
     identity: str
+    #: The store as a user names it (``s3://bucket/prefix``): for messages, never the identity.
+    url: str
 
     @abstractmethod
     def check(self) -> None:
@@ -94,39 +96,39 @@ class ObjectStore(ABC):
 
     def put(self, path: str, data: bytes) -> ObjectInfo:
         """Store ``data`` as the object ``path`` in one request; return its new metadata."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def start_upload(self, path: str) -> str:
         """Begin a multipart upload of ``path``; return its upload id."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def upload_part(self, path: str, upload_id: str, number: int, data: bytes) -> str:
         """Upload part ``number`` (1-based) of an upload; return the part's ETag."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def finish_upload(self, path: str, upload_id: str, parts: list[tuple[int, str]], size: int) -> ObjectInfo:
         """Complete an upload from (number, ETag) pairs; the object appears now. Verifies ``size``."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def abort_upload(self, path: str, upload_id: str) -> None:
         """Drop an unfinished upload and its parts (never raises NoSuchKey)."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def delete(self, path: str) -> None:
         """Delete the object ``path``; deleting a missing object succeeds."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def copy(self, src: str, dst: str) -> ObjectInfo:
         """Server-side copy of ``src`` to ``dst`` (the object appears complete)."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def make_dir(self, path: str) -> None:
         """Make an empty directory ``path`` persist (an S3 "path/" marker object)."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def remove_dir(self, path: str) -> None:
         """Remove the marker of directory ``path`` (missing is fine)."""
-        raise StoreError(f"{self.identity}: this store is read-only")
+        raise StoreError(f"{self.url}: this store is read-only")
 
     def close(self) -> None:  # noqa: B027  (optional: stores that hold no connections need nothing)
         """Release connections."""

@@ -92,6 +92,7 @@ class FsspecStore(ObjectStore):
         self._metrics = metrics
         self._max_attempts = max_attempts
         self.identity = f"{self._parsed.scheme}|{self._root}"
+        self.url = str(self._parsed)
         self._uploads: dict[str, dict[int, bytes]] = {}   # multipart emulation: parts in memory
         self._uploads_lock = threading.Lock()
 

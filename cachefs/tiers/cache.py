@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import trio
 
-from cachefs.errors import StoreError
+from cachefs.errors import NeedsWait, StoreError
 from cachefs.metrics import Metrics
 from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectStore
@@ -47,7 +47,7 @@ PRELOAD_MAX = 1 << 20     # largest file pushed into the kernel page cache at op
 
 @dataclass(frozen=True, slots=True)
 class FileVersion:
-    """One object version as a handle pinned it at open (DESIGN invariant 1)."""
+    """One object version as a handle pinned it at open (docs/design.md, invariant 1)."""
 
     path: str
     etag: str
@@ -155,14 +155,41 @@ class Tiers:
             base = index * bs
             lo, hi = max(offset, base) - base, min(end, base + bs) - base
             parts.append(await self._read_block(f, index, lo, hi))
+        return self._served(f, offset, end, stream, parts)
+
+    def read_now(self, f: FileVersion, offset: int, size: int, stream: Stream | None = None) -> bytes | memoryview:
+        """``read`` when every block asked for is in the memory tier, with no wait; NeedsWait
+        otherwise (nothing is counted then: the async ``read`` that follows counts it)."""
+        end = min(offset + size, f.size)
+        if offset >= end:
+            return b""
+        bs = self.block_size
+        first, last = offset // bs, (end - 1) // bs
+        if any(not self.memory.contains(self.key(f, i)) for i in range(first, last + 1)):
+            raise NeedsWait
+        parts = []
+        for index in range(first, last + 1):
+            base = index * bs
+            lo, hi = max(offset, base) - base, min(end, base + bs) - base
+            data = self.memory.get(self.key(f, index))
+            parts.append(memoryview(data)[lo:hi] if (lo, hi) != (0, len(data)) else data)
+        return self._served(f, offset, end, stream, parts)
+
+    def _served(self, f: FileVersion, offset: int, end: int, stream: Stream | None, parts: list):
+        """What every read does once it has its bytes: the first-read hook, readahead, the count."""
         if offset == 0 and self.on_first_read is not None:
             self.on_first_read(f)
         if stream is not None:
-            window = stream.advance(offset, end, bs, self.readahead_size)
+            window = stream.advance(offset, end, self.block_size, self.readahead_size)
             if window:
                 self._readahead(f, end, window)
         self.metrics.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def preload_needed(self, f: FileVersion) -> bool:
+        """Whether an open of ``f`` would push it into the page cache (``preload``): a small
+        file the memory tier does not hold (the disk tier has it, or it must be fetched)."""
+        return self._small(f) and not self.memory.contains(self.key(f, 0))
 
     async def preload(self, f: FileVersion, stream: Stream | None = None) -> bytes | None:
         """The whole content of a small file (one block, at most PRELOAD_MAX), for the FUSE adapter
@@ -178,7 +205,10 @@ class Tiers:
             return None
         if self.disk is not None and self.disk.contains(key):
             data = await self.disk.read_async(key, 0, f.size)
-            return data if data is not None and len(data) == f.size else None
+            if data is None or len(data) != f.size:
+                return None
+            self.metrics.read_bytes.inc(f.size)      # served to the reader through the page cache
+            return data
         try:
             data = await self.read(f, 0, f.size, stream)
         except StoreError as exc:

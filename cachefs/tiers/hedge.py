@@ -1,4 +1,4 @@
-"""Hedged GETs (DESIGN §4 "Stragglers"): a GET still unanswered after a latency percentile of
+"""Hedged GETs (docs/design.md, components): a GET still unanswered after a latency percentile of
 its size class gets a second, identical GET on another connection; the first answer wins and
 the other is cancelled.
 
@@ -264,7 +264,8 @@ class Hedger:
         finally:
             release()
             flight.hedging = False
-            result = "won" if flight.winner == 1 else "lost" if flight.winner == 0 else "failed"
+            result = ("won" if flight.winner == 1 else "lost" if flight.winner == 0
+                      else "failed" if flight.errors[1] is not None else "cancelled")
             self.metrics.hedged_requests.labels(result).inc()
             if flight.settled is not None:
                 flight.settled.set()
@@ -290,7 +291,7 @@ class Hedger:
         """Hedges by result, skipped ones by reason, and each size class's current delay (ms)."""
         def count(name: str, **labels: str) -> int:
             return int(self.metrics.counter_value(name, **labels))
-        out = {result: count("cachefs_hedged_requests_total", result=result) for result in ("won", "lost", "failed")}
+        out = {result: count("cachefs_hedged_requests_total", result=result) for result in ("won", "lost", "failed", "cancelled")}
         out.update({f"skipped_{reason}": count("cachefs_hedges_skipped_total", reason=reason)
                     for reason in ("budget", "busy")})
         out["delay_ms"] = {cls: round(d * 1000, 1) for cls, d in sorted(self._delays.items())}

@@ -1,7 +1,7 @@
 """The identity of a cached block, and the one place its on-disk name is derived.
 
 A block is keyed by (store identity, object path, ETag, block size, block index)
-(DESIGN invariant 1): a new object version or another block size never
+(docs/design.md, invariant 1): a new object version or another block size never
 shares a cache entry with an old one.
 """
 

@@ -1,4 +1,4 @@
-"""The memory tier: whole blocks in an LRU bounded in bytes (DESIGN invariant 3).
+"""The memory tier: whole blocks in an LRU bounded in bytes (docs/design.md, invariant 3).
 
 Plain synchronous code: only the trio thread touches it (invariant 6).
 """

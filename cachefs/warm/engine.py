@@ -6,7 +6,7 @@ issues no LIST), plans the blocks that are not on the disk tier, checks that the
 runs ``concurrency`` workers that GET blocks (small objects whole, large ones as parallel
 ranged GETs of one block each) and write them straight to the disk tier with back-pressure.
 
-Concurrency and priority (DESIGN invariants 1, 3, 4, 6)
+Concurrency and priority (docs/design.md, invariants 1, 3, 4, 6)
 -------------------------------------------------------
 * The engine reaches the cache only through ``Tiers`` (``cachefs/tiers/cache.py``: warm, check,
   evict, hold, pin, room) and the store through the ``ObjectStore`` it is given (HEAD, LIST).

@@ -1,5 +1,5 @@
 """Write-back engine: the index of staged files, the scheduler, staging space, remote-fsync
-waiters and journal replay (DESIGN invariant 5). The modules beside it own the rest:
+waiters and journal replay (docs/design.md, invariant 5). The modules beside it own the rest:
 ``policy`` (sync classes, due times, part sizes), ``staged`` (the staged-file model),
 ``uploader`` (one PUT or multipart upload), ``overlay`` (what the namespace sees), ``status``
 and ``commands`` (``cachefs sync``); ``journal`` owns the on-disk format and crash protocol.

@@ -1,4 +1,4 @@
-"""The write-back journal: staging files and the records that name them (DESIGN invariant 5).
+"""The write-back journal: staging files and the records that name them (docs/design.md, invariant 5).
 
 On-disk format (``STAGING = CACHE_DIR/staging`` unless ``staging_dir`` says otherwise)::
 

@@ -6,6 +6,8 @@ import os
 import socketserver
 import threading
 
+from cachefs.errors import UsageError
+from cachefs.metrics import Exporter
 from csi.agent.protocol import OPS, encode
 from csi.agent.volumes import NodeConfig, VolumeManager
 from csi.errors import CsiError
@@ -54,6 +56,11 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
 def run_agent(socket_path: str, node: NodeConfig, check_interval: float = 1.0) -> int:
     manager = VolumeManager(node)
+    try:
+        exporter = Exporter(manager.metrics, node.metrics_host, node.agent_metrics_port, tries=1) \
+            if node.agent_metrics_port else None
+    except OSError as exc:
+        raise UsageError(f"--agent-metrics-port: {exc}") from None
     server = AgentServer(socket_path, manager)
     stop = threading.Event()
 
@@ -66,11 +73,14 @@ def run_agent(socket_path: str, node: NodeConfig, check_interval: float = 1.0) -
 
     manager.check_all()                     # adopt: repair what died while no agent ran
     threading.Thread(target=watchdog, name="watchdog", daemon=True).start()
-    log.info("cachefs csi-agent serving on %s (state %s, cache root %s, %d bytes)", socket_path,
-             node.state_dir, node.cache_root, node.cache_size)
+    log.info("cachefs csi-agent serving on %s (state %s, cache root %s, %d bytes%s)", socket_path,
+             node.state_dir, node.cache_root, node.cache_size,
+             f", metrics on {exporter.address}" if exporter else "")
     try:
         server.serve_forever(poll_interval=0.5)
     finally:
         stop.set()
         server.server_close()
+        if exporter is not None:
+            exporter.close()
     return 0

@@ -2,7 +2,8 @@
 adopts the live mounts.
 
 ``state.json`` (no secrets): per volume its staging path, mount options, cache dir, cache
-allocation, daemon pid and published targets. ``secrets/<key>.json``: the volume's credentials,
+allocation, daemon pid and its mount's home, published targets, and the repairs made (the dead
+connections whose views containers may still hold). ``secrets/<key>.json``: the volume's credentials,
 mode 0600 in a 0700 directory (root only), kept so the agent can mount a volume again after its
 daemon died; replaced at every NodeStage, so rotated secrets apply at the next stage. Every write
 is temp file + fsync + rename + directory fsync.
@@ -24,6 +25,9 @@ class Volume:
     pid: int | None = None
     targets: dict[str, bool] = field(default_factory=dict)   # target path -> read-only
     warmup: list[str] = field(default_factory=list)
+    home: str | None = None         # the daemon's own mount (None: at the staging path, older agents)
+    repairs: int = 0
+    dead_devices: list[str] = field(default_factory=list)    # FUSE connections that died under views
 
     @property
     def key(self) -> str:

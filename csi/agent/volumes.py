@@ -2,10 +2,17 @@
 
 Each call: validate, lock the volume, look it up, check preconditions, act idempotently, persist.
 A volume's daemon is started with ``cachefs.launcher.start`` in its own session (never a child of
-the plugin), its credentials on its stdin. The watchdog (``check_all``) finds a mount whose daemon
-died (ENOTCONN, or nothing mounted), detaches the stale staging mount and every target bound to it,
-starts a new daemon on the same cache dir (which replays the write-back journal) and binds every
-published target again.
+the plugin), its credentials on its stdin, and mounts at the volume's *home*, a directory of the
+agent's state dir that no container sees. The staging path and every published target are views of
+that mount (``mounts.place_view``), each its own peer group.
+
+The watchdog (``check_all``) finds a volume whose daemon died (ENOTCONN, or nothing mounted),
+starts a new daemon on the same cache dir (which replays the write-back journal) and places a view
+of its mount *on top of* the dead view at the staging path and at every target, never detaching
+the dead one first: the path is never an empty directory, and every container holding a slave copy
+of the target (``mountPropagation: HostToContainer``) receives the new mount. A container with a
+private copy cannot be reached from outside; ``stats`` reports the volume abnormal while any such
+stale view exists on the node. Dead layers under a live view are removed with the view.
 """
 
 import logging
@@ -22,6 +29,7 @@ from cachefs import launcher
 from cachefs.config import build_config
 from cachefs.errors import CachefsError, ConfigError, ExitCode
 from csi.agent import mounts
+from csi.agent.metrics import AgentMetrics
 from csi.agent.state import StateStore, Volume, volume_key
 from csi.attributes import daemon_env, mount_values, warmup_paths
 from csi.errors import CsiError, already_exists, internal, invalid, not_found, precondition
@@ -43,11 +51,13 @@ class NodeConfig:
     metrics_port: int = 0       # first port tried by each daemon (0: no metrics)
     metrics_host: str = "127.0.0.1"
     drain_timeout: float = 60.0
+    agent_metrics_port: int = 0     # the agent's own metrics (repairs, abnormal volumes); 0: none
 
 
 class VolumeManager:
-    def __init__(self, node: NodeConfig) -> None:
+    def __init__(self, node: NodeConfig, metrics: AgentMetrics | None = None) -> None:
         self.node = node
+        self.metrics = metrics or AgentMetrics()
         self.store = StateStore(node.state_dir)
         self.volumes = self.store.load()
         self._meta = threading.Lock()           # guards self.volumes, allocations and saving
@@ -120,12 +130,14 @@ class VolumeManager:
             if allocation > free or allocation < MIN_ALLOCATION:
                 raise CsiError("RESOURCE_EXHAUSTED", f"the node cache root has {free} bytes unallocated; volume "
                                f"{volume_id} needs {max(wanted, MIN_ALLOCATION)} (lower cacheSize, or unstage others)")
-            vol = Volume(volume_id, staging, values, os.path.join(self.node.cache_root, volume_key(volume_id)),
-                         allocation, warmup=warm)
+            key = volume_key(volume_id)
+            vol = Volume(volume_id, staging, values, os.path.join(self.node.cache_root, key), allocation,
+                         warmup=warm, home=os.path.join(self.node.state_dir, "mounts", key))
             self.volumes[volume_id] = vol
         return vol
 
     def _forget(self, vol: Volume) -> None:
+        self.metrics.forget(vol.volume_id)
         with self._meta:
             self.volumes.pop(vol.volume_id, None)
         self.store.drop_secrets(vol.key)
@@ -146,7 +158,7 @@ class VolumeManager:
                 self._repair(vol)
             if not (mounts.same_mount(target, staging) and mounts.state(target) == "live"):
                 mounts.unmount(target, lazy=True)
-                mounts.bind(staging, target, readonly)
+                mounts.place_view(staging, target, readonly)
             if not (mounts.same_mount(target, staging) and mounts.state(target) == "live"):
                 mounts.unmount(target, lazy=True)
                 raise internal(f"{target} is not the live cachefs mount after binding it; not published")
@@ -180,9 +192,24 @@ class VolumeManager:
         if condition != "live":
             return {"abnormal": True, "message": f"the cachefs mount at {path} is {condition}; the agent is "
                     f"mounting it again"}
+        message = self._stale_message(vol)
         st = os.statvfs(path)
-        return {"abnormal": False, "message": "", "bytes": [st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize],
+        return {"abnormal": bool(message), "message": message, "bytes": [st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize],
                 "inodes": [st.f_files, st.f_favail]}
+
+    def _stale_message(self, vol: Volume) -> str:
+        """Why the volume is abnormal although mounted: containers still read a dead connection."""
+        with self._volume_lock(vol.volume_id):
+            stale = mounts.stale_views(set(vol.dead_devices), _own_paths(vol))
+            if not stale and vol.dead_devices:
+                vol.dead_devices.clear()          # every container that held a dead view is gone
+                self._save()
+        self.metrics.abnormal(vol.volume_id, bool(stale))
+        if not stale:
+            return ""
+        return (f"the volume's daemon died and was mounted again ({vol.repairs} repair(s)); {stale} container "
+                f"view(s) on this node still show the dead mount and fail with 'Transport endpoint is not "
+                f"connected': they were mounted without mountPropagation: HostToContainer; restart those pods")
 
     def list(self) -> dict:
         return {"volumes": {vid: {"staging": v.staging, "pid": v.pid, "targets": v.targets,
@@ -202,26 +229,37 @@ class VolumeManager:
                     log.error("volume %s: repair failed (retrying): %s", vid, exc.message)
 
     def _repair(self, vol: Volume) -> None:
+        """Mount a dead volume again: a new daemon at its home, and new views on top of the dead ones
+        (containers' slave copies receive them; the dead layers go with the view at unpublish)."""
         log.warning("volume %s: the mount at %s is not live (daemon pid %s); mounting it again",
                     vol.volume_id, vol.staging, vol.pid)
-        for target in vol.targets:
-            mounts.unmount(target, lazy=True)
-        mounts.unmount(vol.staging, lazy=True)
+        self.metrics.abnormal(vol.volume_id, True)
+        dead = mounts.entry(vol.staging)
+        if dead is not None and dead.fstype == mounts.FSTYPE and dead.devno not in vol.dead_devices:
+            vol.dead_devices.append(dead.devno)
         _kill_stale(vol.pid)
+        if vol.home is None:                      # staged by an older agent: its daemon mounted at staging
+            vol.home = os.path.join(self.node.state_dir, "mounts", vol.key)
+        mounts.unmount(vol.home, lazy=True)       # the dead daemon's own mount: no container holds it
         self._start(vol, self.store.load_secrets(vol.key))
         for target, readonly in vol.targets.items():
-            mounts.bind(vol.staging, target, readonly)
+            if not (mounts.same_mount(target, vol.staging) and mounts.state(target) == "live"):
+                mounts.place_view(vol.staging, target, readonly)
+        vol.repairs += 1
+        self.metrics.repaired(vol.volume_id)
         self._save()
-        log.info("volume %s: mounted again (pid %s) and %d target(s) bound", vol.volume_id, vol.pid,
-                 len(vol.targets))
+        log.info("volume %s: mounted again (pid %s) and %d target(s) given a view of the new mount (repair %d)",
+                 vol.volume_id, vol.pid, len(vol.targets), vol.repairs)
 
     def _start(self, vol: Volume, env: dict[str, str]) -> None:
-        os.makedirs(vol.staging, exist_ok=True)
-        values = {**vol.values, "mountpoint": vol.staging, "cache_dir": vol.cache_dir,
+        """Start the volume's daemon at its home and put a view of it on the staging path."""
+        _ensure_dir(vol.staging)
+        _ensure_dir(vol.home)
+        values = {**vol.values, "mountpoint": vol.home, "cache_dir": vol.cache_dir,
                   "cache_size": vol.allocation, "allow_other": True,
                   "staging_size": vol.values.get("staging_size") or max(MIN_ALLOCATION, vol.allocation // 4),
                   "metrics_port": self.node.metrics_port, "metrics_host": self.node.metrics_host,
-                  "drain_timeout": self.node.drain_timeout}
+                  "drain_timeout": self.node.drain_timeout, "volume_id": vol.volume_id}
         try:
             cfg = build_config(values)
             started = launcher.start(cfg, secrets=env)
@@ -232,18 +270,23 @@ class VolumeManager:
         except CachefsError as exc:
             raise internal(f"volume {vol.volume_id}: {exc}") from None
         vol.pid = started.pid
-        log.info("volume %s: daemon pid %d mounted at %s (cache %s, %d bytes)", vol.volume_id, vol.pid,
-                 vol.staging, vol.cache_dir, vol.allocation)
+        if mounts.state(vol.staging) != "live" or not mounts.same_mount(vol.staging, vol.home):
+            mounts.place_view(vol.home, vol.staging, False)
+        log.info("volume %s: daemon pid %d mounted at %s, seen at %s (cache %s, %d bytes)", vol.volume_id,
+                 vol.pid, vol.home, vol.staging, vol.cache_dir, vol.allocation)
 
     def _stop(self, vol: Volume) -> None:
-        if mounts.state(vol.staging) == "live":
-            result = subprocess.run([sys.executable, "-m", "cachefs", "umount", vol.staging,
-                                     "--timeout", str(self.node.drain_timeout)], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise CsiError("UNAVAILABLE", f"volume {vol.volume_id}: cannot unmount: "
-                               f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else 'failed'}")
-        else:
-            mounts.unmount(vol.staging, lazy=True)
+        """Drain the daemon's staged writes, remove every view and its mount, wait for it to exit."""
+        own = vol.home if vol.home and mounts.entry(vol.home) is not None else vol.staging
+        if mounts.state(own) == "live":
+            try:
+                launcher.drain_writes(own, self.node.drain_timeout)
+            except CachefsError as exc:
+                raise CsiError("UNAVAILABLE", f"volume {vol.volume_id}: cannot unmount: {exc}") from None
+        mounts.unmount(vol.staging, lazy=True)
+        if vol.home:
+            mounts.unmount(vol.home, lazy=True)
+            _rmdir(vol.home)
         if vol.pid and not launcher.wait_exit(vol.pid, 10):
             _kill_stale(vol.pid)
 
@@ -268,6 +311,13 @@ class VolumeManager:
     def _save(self) -> None:
         with self._meta:
             self.store.save(self.volumes)
+            self.metrics.volumes.set(len(self.volumes))
+
+
+def _own_paths(vol: Volume) -> set[str]:
+    """Where the agent itself keeps views of the volume (other namespaces' copies of these paths
+    belong to CSI components, not to pods reading the data)."""
+    return {vol.staging, *vol.targets, *([vol.home] if vol.home else [])}
 
 
 def _healthy(vol: Volume) -> bool:
@@ -294,6 +344,14 @@ def _kill_stale(pid: int | None) -> None:
     except OSError:
         return
     launcher.wait_exit(pid, 10)
+
+
+def _ensure_dir(path: str) -> None:
+    """``path`` exists (a dead mount there fails every stat, which makedirs takes for missing)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        pass
 
 
 def _rmdir(path: str) -> None:

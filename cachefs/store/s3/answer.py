@@ -1,6 +1,6 @@
 """What a GET asks for and which answers provably hold those bytes (every transport checks the same way).
 
-Servers differ (DESIGN section 3). A ranged GET is accepted when its answer is:
+Servers differ (docs/design.md, measured facts). A ranged GET is accepted when its answer is:
 
 - 206 with a Content-Range naming exactly the asked bytes (and the pinned size);
 - 200 with the whole object (``kind`` whole_object): the asked bytes are sliced out. When the

@@ -27,7 +27,7 @@ Why not h11 itself: ``benchmarks/bench_http_client.py`` (110 KiB objects from ``
 on loopback, 32 concurrent trio tasks, same signer and pool) measured h11 at 0.54-0.68 ms of client
 CPU per GET against 0.38-0.52 ms for this module on a loaded 2-CPU box; the framing alone, replayed
 from memory: h11 308-328 us, this module 180 us (153 us before the checks h11 makes were added).
-h11 costs ~0.15 ms more per GET, over the ~0.1 ms budget issue 10 set, so this module stays and
+h11 costs ~0.15 ms more per GET, over our ~0.1 ms budget, so this module stays and
 h11 is the reference in the tests.
 
 Connections belong to one trio run; a getter used from another run starts a new pool.
@@ -525,6 +525,14 @@ class AsyncGetter:
             self._abandon(stream)
             reason = exc.__cause__ or exc          # trio wraps the ssl error
             raise ConnectionError(f"{where}: {step}: {reason}") from None
+        except BaseExceptionGroup as group:
+            self._abandon(stream)
+            # open_tcp_stream's nursery wraps a cancellation of its attempts (a hedge that lost, a
+            # reader gone) in a group: raise it as the plain cancellation it is
+            cancelled, rest = group.split(trio.Cancelled)
+            if rest is None:
+                raise _first_leaf(cancelled) from None
+            raise
         except BaseException:
             self._abandon(stream)
             raise
@@ -564,3 +572,9 @@ def _receive_blocking(fd: int, view: memoryview, have: int, length: int, timeout
             break
         have += got
     return have, False
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group

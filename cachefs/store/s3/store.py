@@ -9,7 +9,7 @@ profile, credentials file), never from arguments or URLs, and are never logged.
 Requests: GETs as trio tasks (``http``), threaded GETs, listings, PUTs and parts
 (``requests``), all signed by ``sigv4``; the rare calls through boto3 (see
 ``requests`` for which). GET answers are checked by ``answer`` because servers
-differ (DESIGN section 3); a ranged GET answered 200 that provably holds the
+differ (docs/design.md, measured facts); a ranged GET answered 200 that provably holds the
 asked bytes is accepted, counted in ``cachefs_store_range_fallbacks_total``
 and warned about once per kind per store.
 """
@@ -219,6 +219,7 @@ class S3Store(ObjectStore):
         self._putter = self._requests if options.lean_put else None     # PUTs and parts
         self._fallbacks_warned: set[str] = set()
         self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
 
     @property
     def cancellable_gets(self) -> bool:
@@ -503,7 +504,7 @@ class S3Store(ObjectStore):
                          UploadId=upload_id, MultipartUpload=layout)
         except NoSuchKey:
             pass   # NoSuchUpload after a retried completion whose first answer was lost: HEAD decides
-        info = self.head(path)   # Ceph RGW answers the completion with an empty ETag (DESIGN section 3)
+        info = self.head(path)   # Ceph RGW answers the completion with an empty ETag (docs/design.md, measured facts)
         if info.size != size:
             raise BadResponse(f"finish_upload {self._url(key)}: object has {info.size} bytes, uploaded {size}")
         return info

@@ -1,4 +1,4 @@
-"""The cache disk's health: a small state machine that fences a failing disk off (DESIGN invariant 4).
+"""The cache disk's health: a small state machine that fences a failing disk off (docs/design.md, invariant 4).
 
 ``DiskHealth`` is the pure state machine; ``HealthWatch`` counts the tier's I/O errors into it
 (metrics, logs) and probes a sick disk after a quiet cool-down, in a worker thread.

@@ -6,7 +6,7 @@ Layout under the tier's ``root``::
     tmp/<digest>.<random>.tmp        fills being written; whatever is left here at start is removed
 
 The index is a scan-resistant segmented LRU of block files, with held entries. Plain
-synchronous code owned by the trio thread (DESIGN invariant 6). Keys are block digests.
+synchronous code owned by the trio thread (docs/design.md, invariant 6). Keys are block digests.
 ``prepare_root`` (blocking, a worker thread at start) lists what a rebuild indexes.
 """
 

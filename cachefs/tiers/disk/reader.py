@@ -1,7 +1,7 @@
 """The disk tier's read policy: verified reads of block files, inline or in worker threads.
 
 Reads are inline ``os.pread`` calls in the trio thread when the pages are resident: a thread
-hop costs more than a page-cache read (DESIGN §3). A cold small range is read ahead and then
+hop costs more than a page-cache read (docs/design.md, measured facts). A cold small range is read ahead and then
 inline while the disk answers fast; large ranges and a slow disk go to worker threads, so a
 slow disk never stalls the trio thread. Hot blocks keep their file open (an LRU of fds).
 Every chunk a read touches is verified; a bad block is handed to ``drop`` and read as a miss.

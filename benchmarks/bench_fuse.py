@@ -1,0 +1,190 @@
+"""The FUSE layer benchmark: epochs served from the disk tier and the page cache, and a large
+file from the disk tier, for each FUSE variant beside local disk, in one run.
+
+The dataset (benchmarks/dataset.py: 10,000 x ~110 KiB in 100 folders plus one large file) is
+mounted from a ``file://`` store: after ``cachefs warmup`` the store is never asked again, so the
+rows measure the FUSE path and the disk tier, not S3. Each variant (``--variants``) is a list of
+`cachefs mount` flags; the default compares cachefs's own protocol layer with pyfuse3 (libfuse).
+Per round and variant, page cache dropped where it says so:
+
+  disk tier   remount (empty memory tier), drop, 8 readers in one shuffled order   vs local disk (dropped)
+  hot         again, no drop (the kernel page cache)                               vs local page cache
+  large       one reader, 1 MiB reads of the large file, dropped                   vs local disk (dropped)
+
+with the daemon's CPU per file (``cpu_meter``). Local rows run before and after the mount rows
+of each round; ratios divide by their mean. Needs root (drop_caches, FUSE).
+
+    sudo .venv/bin/python -m benchmarks.bench_fuse --quick
+    sudo .venv/bin/python -m benchmarks.bench_fuse --readers 16 --variants "cachefs,--fuse-loops=1" "cachefs,--fuse-loops=4"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import dataset, readers
+from benchmarks.cachefs_mount import CachefsMount, drop_page_cache
+from benchmarks.cpu_meter import CpuMeter
+
+MiB = 1 << 20
+DEFAULT_VARIANTS = ("cachefs", "pyfuse3")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, help="small files (default 10000; 2000 with --quick)")
+    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--file-size", type=dataset.parse_size, default=110 * 1024)
+    parser.add_argument("--large-size", type=dataset.parse_size, help="the large file (default 1G; 256M --quick)")
+    parser.add_argument("--readers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every row (alternating)")
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                        help="one per variant: BACKEND[,FLAG...] e.g. cachefs,--passthrough=off")
+    parser.add_argument("--hot-passes", type=int, default=3, help="hot epochs read the order this many times")
+    parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/cachefs-fuse-bench"))
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the workdir (reuses the dataset and caches)")
+    args = parser.parse_args(argv)
+    args.files = args.files if args.files is not None else (2000 if args.quick else 10_000)
+    args.large_size = args.large_size or (256 * MiB if args.quick else 1024 * MiB)
+    return args
+
+
+def variant_flags(variant: str) -> tuple[str, list[str]]:
+    backend, *flags = variant.split(",")
+    return variant, ["--fuse-backend", backend, *flags]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        spec = dataset.DatasetSpec(files=args.files, classes=args.classes, file_size=args.file_size, large=1,
+                                   large_size=args.large_size)
+        entries = dataset.build_local(args.workdir / "dataset", spec)
+        self.root = args.workdir / "dataset" / "data"
+        small = [e for e in entries if not e.is_large]
+        self.order = random.Random(0).sample(small, len(small))
+        self.large = next(e for e in entries if e.is_large)
+        self.rows: list[dict] = []
+
+    def mount(self, variant: str) -> CachefsMount:
+        name, flags = variant_flags(variant)
+        slug = name.replace(",", "_").replace("-", "").replace("=", "")
+        return CachefsMount(f"file://{self.root}", self.args.workdir / f"mnt-{slug}", endpoint_url=None,
+                            cache_dir=self.args.workdir / f"cache-{slug}", extra=tuple(flags))
+
+    def warm(self, variant: str) -> None:
+        with self.mount(variant) as mnt:
+            result = mnt.run("warmup", "-q", str(mnt.mountpoint), timeout=3600)
+            if result.returncode != 0:
+                raise RuntimeError(f"warmup failed: {result.stderr.strip()}")
+
+    def local_rows(self, round_: int) -> None:
+        drop_page_cache()
+        self.epoch(round_, "local disk", "disk", self.root, None)
+        self.epoch(round_, "local disk", "hot", self.root, None, passes=self.args.hot_passes)
+        drop_page_cache()
+        self.sequential(round_, "local disk", self.root / self.large.path)
+
+    def mount_rows(self, round_: int, variant: str) -> None:
+        drop_page_cache()
+        with self.mount(variant) as mnt:
+            self.epoch(round_, variant, "disk", mnt.mountpoint, mnt.pid)
+            self.epoch(round_, variant, "hot", mnt.mountpoint, mnt.pid, passes=self.args.hot_passes)
+            drop_page_cache()
+            self.sequential(round_, variant, mnt.mountpoint / self.large.path, mnt.pid)
+
+    def epoch(self, round_: int, who: str, kind: str, root: Path, pid: int | None, passes: int = 1) -> None:
+        order = self.order * passes
+        with CpuMeter(daemon=[pid]) as meter:
+            result = readers.read_files(f"{who} {kind}", root, order, self.args.readers, verify_every=10)
+        if not result.ok:
+            raise RuntimeError(f"{who} {kind}: {result.tally}")
+        self.record(round_, who, kind, files_s=len(order) / result.seconds, meter=meter, files=len(order))
+
+    def sequential(self, round_: int, who: str, path: Path, pid: int | None = None) -> None:
+        with CpuMeter(daemon=[pid]) as meter:
+            result = readers.read_sequential(f"{who} large", path, self.large)
+        if not result.ok:
+            raise RuntimeError(f"{who} large: {result.tally}")
+        self.record(round_, who, "large", mb_s=result.mb_per_s, meter=meter, files=1)
+
+    def record(self, round_: int, who: str, kind: str, *, meter: CpuMeter, files: int, **figures) -> None:
+        row = {"round": round_, "who": who, "kind": kind, **{k: round(v, 1) for k, v in figures.items()},
+               **meter.per_file(files)}
+        self.rows.append(row)
+        value = f"{row['files_s']:>9,.0f} files/s" if "files_s" in row else f"{row['mb_s']:>9,.0f} MB/s"
+        cpu = f"daemon {row.get('cpu_daemon_ms', 0):.3f} ms/file" if "cpu_daemon_ms" in row and files > 1 else ""
+        print(f"  round {round_} {who:<28} {kind:<5} {value}  {cpu}", flush=True)
+
+
+def summary(rows: list[dict], variants: list[str]) -> list[str]:
+    """Per variant and row kind: the median over rounds, and the ratio to local disk (its rows
+    of the same round: the mean of the runs before and after)."""
+    lines = ["| variant | disk tier files/s (x local) | daemon ms/file | hot files/s (x page cache) | "
+             "large MB/s (x local dd) |", "|---|---|---|---|---|"]
+    for variant in variants:
+        cells = []
+        for kind, unit in (("disk", "files_s"), ("hot", "files_s"), ("large", "mb_s")):
+            ratios, values, cpu = [], [], []
+            for row in (r for r in rows if r["who"] == variant and r["kind"] == kind):
+                local = [r[unit] for r in rows if r["who"] == "local disk" and r["kind"] == kind
+                         and r["round"] in (row["round"], row["round"] + 1)]
+                values.append(row[unit])
+                ratios.append(row[unit] / (sum(local) / len(local)))
+                cpu.append(row.get("cpu_daemon_ms", 0.0))
+            if not values:
+                cells.append("-")
+                continue
+            values.sort()
+            ratios.sort()
+            cells.append(f"{values[len(values) // 2]:,.0f} ({ratios[0]:.2f}-{ratios[-1]:.2f}x)")
+            if kind == "disk":
+                cpu.sort()
+                cells.append(f"{cpu[0]:.3f}-{cpu[-1]:.3f}")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench_fuse needs root (drop_caches, FUSE)", file=sys.stderr)
+        return 2
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args)
+    print(f"dataset: {args.files} files of ~{args.file_size // 1024} KiB + {args.large_size // MiB} MiB; "
+          f"{args.readers} readers; {os.cpu_count()} CPUs")
+    try:
+        for variant in args.variants:
+            bench.warm(variant)
+        for round_ in range(args.rounds):
+            bench.local_rows(round_)
+            for variant in args.variants:
+                bench.mount_rows(round_, variant)
+        bench.local_rows(args.rounds)
+    finally:
+        if not args.keep:
+            for path in args.workdir.glob("cache-*"):
+                shutil.rmtree(path, ignore_errors=True)
+    lines = summary(bench.rows, args.variants)
+    print("\n".join(lines))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": bench.rows,
+                                         "summary": lines, "time": time.time()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

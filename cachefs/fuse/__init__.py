@@ -1,0 +1,43 @@
+"""The FUSE layer: the kernel protocol over ``/dev/fuse`` (``session``), mounting (``mount``),
+the handler types (``types``), and the pyfuse3 fallback (``pyfuse3_backend``).
+
+``backend(name)`` returns what the daemon mounts and serves with: ``cachefs`` (our own session,
+the default) or ``pyfuse3``. Both take the same ``fuse_ops.Operations``.
+"""
+
+from cachefs.fuse.mount import MountOptions
+from cachefs.fuse.session import Session, SessionOptions
+from cachefs.fuse.types import Attr, Context, DirReply, FileInfo, FuseError, SetattrFields, StatFs
+
+__all__ = ["Attr", "CachefsBackend", "Context", "DirReply", "FileInfo", "FuseError", "MountOptions", "Session",
+           "SessionOptions", "SetattrFields", "StatFs", "backend"]
+
+
+class CachefsBackend:
+    """Our own session: mount with ``mount(2)`` (or fusermount3), serve, unmount."""
+
+    name = "cachefs"
+
+    def __init__(self, options: SessionOptions | None = None) -> None:
+        self.session = Session(options)
+        self.kernel = self.session
+
+    def mount(self, ops, mountpoint: str, *, allow_other: bool, read_only: bool) -> None:
+        self.ops = ops
+        self.session.mount(mountpoint, MountOptions(allow_other=allow_other, read_only=read_only))
+
+    async def serve(self) -> None:
+        await self.session.serve(self.ops)
+
+    def terminate(self) -> None:
+        self.session.terminate()
+
+    def close(self, unmount: bool) -> None:
+        self.session.close(unmount)
+
+
+def backend(name: str, options: SessionOptions | None = None):
+    if name == "pyfuse3":
+        from cachefs.fuse.pyfuse3_backend import Pyfuse3Backend
+        return Pyfuse3Backend()
+    return CachefsBackend(options)
