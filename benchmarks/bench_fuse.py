@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                         help="one per variant: BACKEND[,FLAG...] e.g. cachefs,--passthrough=off")
     parser.add_argument("--hot-passes", type=int, default=3, help="hot epochs read the order this many times")
+    parser.add_argument("--fill", choices=("warmup", "read"), default="warmup",
+                        help="fill the disk tier with `cachefs warmup`, or by reading every file once")
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/cachefs-fuse-bench"))
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--quick", action="store_true")
@@ -85,6 +87,11 @@ class Bench:
 
     def warm(self, variant: str) -> None:
         with self.mount(variant) as mnt:
+            if self.args.fill == "read":
+                result = readers.read_files("fill", mnt.mountpoint, self.order + [self.large], self.args.readers)
+                if not result.ok:
+                    raise RuntimeError(f"fill failed: {result.tally}")
+                return
             result = mnt.run("warmup", "-q", str(mnt.mountpoint), timeout=3600)
             if result.returncode != 0:
                 raise RuntimeError(f"warmup failed: {result.stderr.strip()}")

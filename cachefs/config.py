@@ -134,8 +134,16 @@ class MountConfig:
     dir_mode: int = field(default=0o755, metadata={"help": "permission bits of directories", "mode": True})
     fuse_read_ahead_kb: int = field(default=1024, metadata={
         "help": "kernel readahead of the mount (sysfs bdi read_ahead_kb)"})
+    fuse_loops: int = field(default_factory=lambda: default_fuse_loops(), metadata={
+        "help": "extra FUSE request loops: threads that read requests from cloned /dev/fuse descriptors "
+                "for the one thread that answers them (0 on up to 4 CPUs, where they cost more than they "
+                "give; then one per 4 CPUs, up to 4)", "shown": "by CPU count"})
     fuse_max_background: int = field(default=64, metadata={
         "help": "kernel FUSE max_background (concurrent async requests)"})
+    passthrough: str = field(default="auto", metadata={
+        "help": "auto: the kernel reads whole small files from their verified disk-tier files itself (FUSE "
+                "passthrough: no READ reaches the daemon) where the kernel offers it, the mount is --immutable "
+                "and not packed, and the daemon may (CAP_SYS_ADMIN); off: every read goes through the daemon"})
     fuse_backend: str = field(default_factory=lambda: os.environ.get("CACHEFS_FUSE_BACKEND", "cachefs"), metadata={
         "help": "who speaks the FUSE protocol: cachefs (its own layer over /dev/fuse) or pyfuse3 "
                 "(libfuse 3; kept for one release). The default comes from $CACHEFS_FUSE_BACKEND if set",
@@ -210,6 +218,21 @@ class MountConfig:
     def writable(self) -> bool:
         return not (self.read_only or self.immutable)
 
+    def passthrough_wanted(self, packed: bool) -> str | None:
+        """None when this mount asks the kernel for passthrough, else why not (a fallback reason):
+        objects must not change under an open file's inode (--immutable), and a packed dataset's
+        files are ranges of shards, not files of their own."""
+        if self.passthrough == "off" or self.fuse_backend != "cachefs":
+            return "off"
+        if not self.immutable or packed:
+            return "mutable"
+        return None
+
+
+def default_fuse_loops() -> int:
+    cpus = os.cpu_count() or 1
+    return 0 if cpus <= 4 else min(4, cpus // 4)
+
 
 def option_fields() -> list[dataclasses.Field]:
     """The user-settable options, in declaration order."""
@@ -268,6 +291,8 @@ def _validate(cfg: MountConfig) -> None:
     need(bool(cfg.mountpoint), "a mountpoint is required")
     need(cfg.fsync in ("local", "remote"), "fsync must be local or remote")
     need(cfg.fuse_backend in ("cachefs", "pyfuse3"), "fuse_backend must be cachefs or pyfuse3")
+    need(cfg.passthrough in ("auto", "off"), "passthrough must be auto or off")
+    need(0 <= cfg.fuse_loops <= 64, "fuse_loops must be in 0..64")
     need(5 << 20 <= cfg.upload_part_size <= 5 << 30, "upload_part_size must be between 5M and 5G")
     need(cfg.staging_size > 0 and cfg.staging_wait >= 0, "staging_size must be positive, staging_wait >= 0")
     for name in ("upload_concurrency", "log_upload_concurrency"):

@@ -52,8 +52,12 @@ class Daemon:
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: Metrics,
                  packed: tuple["Manifest", "PackedIndex"] | None = None) -> None:
         self.cfg = cfg
+        no_passthrough = cfg.passthrough_wanted(packed is not None)
+        if no_passthrough is not None:
+            metrics.passthrough_fallbacks.labels(no_passthrough).inc()
         self.fuse = fuse.backend(cfg.fuse_backend, fuse.SessionOptions(
-            max_background=cfg.fuse_max_background, congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4)))
+            max_background=cfg.fuse_max_background, congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4),
+            passthrough=no_passthrough is None, loops=cfg.fuse_loops))
         self.store = store
         self.metrics = metrics
         self.started = time.time()
@@ -61,7 +65,7 @@ class Daemon:
         self.disk = DiskTier(os.path.join(cfg.cache_dir, "blocks"), capacity=cfg.cache_size,
                              free_space_ratio=cfg.free_space_ratio, metrics=metrics,
                              fsync=cfg.fsync_cache_files, fill_workers=cfg.fill_workers,
-                             direct_io=cfg.cache_direct_io,
+                             direct_io=cfg.cache_direct_io, exact_files=no_passthrough is None,
                              max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20))
         self.memory = MemoryTier(cfg.mem_cache_size, metrics)
         # max_prefetches keeps the --max-prefetches option's old name; it bounds readahead GETs
@@ -120,6 +124,7 @@ class Daemon:
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
                 "packed_crc_errors": int(m.counter_value("cachefs_packed_crc_errors_total")),
                 "listing": self.lister.status() if self.lister else None,
+                "fuse": self.fuse.status(),
                 "loader_fds": ({"socket": str(self.cache_fds.path), "served": self.cache_fds.served}
                                if self.cache_fds is not None and self.cache_fds.listening else None),
                 "writeback": self.writeback.status() if self.writeback else None,
@@ -206,7 +211,10 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
         if daemon.writeback is not None:
             await nursery.start(daemon.writeback.run)
         try:
-            daemon.fuse.mount(daemon.ops, cfg.mountpoint, allow_other=cfg.allow_other, read_only=False)
+            # read-only where nothing can be written (mountinfo shows it; the kernel refuses writes and
+            # keeps atime out of passthrough); the control file then speaks by ioctl
+            daemon.fuse.mount(daemon.ops, cfg.mountpoint, allow_other=cfg.allow_other,
+                              read_only=not daemon.vfs.writable)
         except OSError as exc:
             raise MountpointError(f"cannot mount at {cfg.mountpoint}: {exc.strerror or exc}") from None
         stop = _Stop(daemon.fuse)

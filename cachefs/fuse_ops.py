@@ -14,11 +14,13 @@ import functools
 import logging
 import os
 import stat
+import struct
 import time
 
-from cachefs.control.protocol import CONTROL_NAME
+from cachefs.control.protocol import CONTROL_NAME, IOCTL_RECEIVE, IOCTL_SEND
 from cachefs.control.server import Control
 from cachefs.errors import CachefsError, NeedsWait
+from cachefs.fuse.backing import Backings
 from cachefs.fuse.types import Attr, DirReply, FileInfo, FuseError, StatFs
 from cachefs.metrics import Metrics
 from cachefs.namespace.vfs import CONTROL_INODE, ROOT_INODE, FsError, Node, Vfs
@@ -105,7 +107,8 @@ def _describe(ops: "Operations", args: tuple) -> str:
 class Operations:
     def __init__(self, vfs: Vfs, control: Control, metrics: Metrics, kernel, *, uid: int, gid: int,
                  file_mode: int, dir_mode: int, metadata_ttl: float, immutable: bool) -> None:
-        self.kernel = kernel          # the FUSE layer's notifications: notify_store(ino, offset, data)
+        self.kernel = kernel          # the FUSE layer: notify_store, and passthrough (backing_open/close)
+        self.backings = Backings(self._close_backing)
         self.vfs = vfs
         self.control = control
         self.metrics = metrics
@@ -165,8 +168,81 @@ class Operations:
     def now_open(self, inode, flags, ctx):
         if inode == CONTROL_INODE:
             raise NeedsWait
+        backing_id = self._hand_over_now(inode, flags)
+        if backing_id:
+            return self._handed_over(inode, flags, backing_id)
         handle, keep_cache = self.vfs.open_now(inode, flags)
         return FileInfo(fh=handle.fh, keep_cache=keep_cache)
+
+    # ---- passthrough: the kernel reads a verified cache file itself (cachefs/fuse/backing.py) -----
+    def _hand_over_now(self, inode: int, flags: int) -> int:
+        """A backing id for this open (the inode's, or a new one for its verified exact cache
+        file), or 0: the open goes the usual way. NeedsWait when verifying needs a disk read."""
+        version = self._handover_version(inode, flags)
+        if version is None:
+            return 0
+        reused = self.backings.reuse(inode)
+        if reused:
+            return reused
+        if self.vfs.node(inode).opens:
+            self.metrics.passthrough_fallbacks.labels("busy").inc()    # other handles read through us
+            return 0
+        return self._register_backing(inode, self.vfs.blocks.exact_file_now(version))
+
+    async def _hand_over(self, inode: int, flags: int) -> int:
+        version = self._handover_version(inode, flags, wait=True)
+        if version is None:
+            return 0
+        if not self.backings.reuse(inode) and self.vfs.node(inode).opens == 0:
+            exact = await self.vfs.blocks.exact_file(version)
+            reused = self.backings.reuse(inode)          # another open may have handed it over meanwhile
+            if reused or self.vfs.node(inode).opens:
+                if exact is not None:
+                    os.close(exact.fd)
+                    self.vfs.blocks.release_exact(exact)
+                return reused
+            return self._register_backing(inode, exact)
+        return self.backings.reuse(inode) if inode in self.backings.by_inode else 0
+
+    def _handover_version(self, inode: int, flags: int, wait: bool = False):
+        if not self.kernel.passthrough:
+            return None
+        try:
+            return self.vfs.handover_version(inode, flags)
+        except NeedsWait:
+            if wait:
+                return None          # revalidated by the open itself: not handed over this time
+            raise
+
+    def _register_backing(self, inode: int, exact) -> int:
+        if exact is None:
+            self.metrics.passthrough_fallbacks.labels("not_cached").inc()
+            return 0
+        try:
+            backing_id = self.kernel.backing_open(exact.fd)
+        except OSError as exc:
+            self.vfs.blocks.release_exact(exact)
+            self.metrics.passthrough_fallbacks.labels(
+                "no_cap_sys_admin" if exc.errno == errno.EPERM else "backing_open").inc()
+            return 0
+        finally:
+            os.close(exact.fd)            # the kernel holds the file from here on
+        self.backings.add(inode, backing_id, exact)
+        return backing_id
+
+    def _handed_over(self, inode: int, flags: int, backing_id: int) -> FileInfo:
+        handle, _ = self.vfs.open_now(inode, flags, handed_over=True)
+        self.backings.bind(handle.fh, inode)
+        self.metrics.passthrough_opens.inc()
+        self.metrics.read_bytes.inc(handle.node.size)      # the kernel serves it from the cache file
+        return FileInfo(fh=handle.fh, backing_id=backing_id)
+
+    def _unbind_backing(self, fh: int) -> None:
+        self.backings.unbind(fh)
+
+    def _close_backing(self, backing) -> None:
+        self.kernel.backing_close(backing.id)
+        self.vfs.blocks.release_exact(backing.exact)
 
     @_fast_operation("read")
     def now_read(self, fh, off, size):
@@ -179,6 +255,7 @@ class Operations:
         if self.control.owns(fh):
             raise NeedsWait
         self.vfs.release_now(fh)
+        self._unbind_backing(fh)
 
     @_operation("getattr")
     async def getattr(self, inode, ctx=None):
@@ -186,10 +263,14 @@ class Operations:
             return self._control_attr()
         return self._attr(await self.vfs.getattr(inode))
 
-    @_operation("forget")
-    async def forget(self, inode_list):
+    def forget(self, inode_list):
+        """FORGET and BATCH_FORGET (no answer): drop the kernel's references, and the idle backing
+        file of an inode the kernel no longer knows."""
+        self._timing["forget"].observe(0.0)
         for inode, count in inode_list:
             self.vfs.forget(inode, count)
+            if inode in self.backings.by_inode and self.vfs.find_node(inode) is None:
+                self.backings.forget(inode)
 
     @_operation("statfs")
     async def statfs(self, ctx):
@@ -222,6 +303,9 @@ class Operations:
     async def open(self, inode, flags, ctx):
         if inode == CONTROL_INODE:
             return FileInfo(fh=self.control.open(ctx), direct_io=True, nonseekable=True)
+        backing_id = await self._hand_over(inode, flags)
+        if backing_id:
+            return self._handed_over(inode, flags, backing_id)
         handle, keep_cache = await self.vfs.open(inode, flags)
         if not keep_cache and not flags & (os.O_WRONLY | os.O_RDWR):
             data = await self.vfs.preload(handle)
@@ -248,6 +332,28 @@ class Operations:
             return self.control.write(fh, buf)
         return await self.vfs.write(fh, off, buf)
 
+    def now_ioctl(self, fh, cmd):
+        """Any ioctl but the control channel's is ENOTTY at once (CPython's ``open`` asks TCGETS
+        of every file it opens: isatty)."""
+        if self.control.owns(fh):
+            raise NeedsWait
+        raise FuseError(errno.ENOTTY)
+
+    @_operation("ioctl")
+    async def ioctl(self, fh, cmd, data, out_size):
+        """The control channel of a read-only mount (``control.protocol``: IOCTL_SEND, IOCTL_RECEIVE);
+        any other ioctl is ENOTTY."""
+        if not self.control.owns(fh):
+            raise FuseError(errno.ENOTTY)
+        if cmd == IOCTL_SEND and len(data) >= 4:
+            (length,) = struct.unpack_from("<I", data)
+            self.control.write(fh, data[4:4 + length])
+            return 0, b""
+        if cmd == IOCTL_RECEIVE and out_size > 4:
+            piece = await self.control.read(fh, out_size - 4)
+            return 0, struct.pack("<I", len(piece)) + piece
+        raise FuseError(errno.ENOTTY)
+
     @_operation("flush")
     async def flush(self, fh):
         raise FuseError(errno.ENOSYS)   # nothing to do at close: the kernel stops sending flush
@@ -262,6 +368,7 @@ class Operations:
         if self.control.owns(fh):
             self.control.release(fh)
         else:
+            self._unbind_backing(fh)
             await self.vfs.release(fh)
 
     # ---- writes (docs/writeback.md) -------------------------------------------------------------

@@ -68,6 +68,15 @@ class Metrics:
         self.fuse_ops = Counter("cachefs_fuse_operations", "FUSE operations", ["op"], registry=r)
         self.fuse_errors = Counter("cachefs_fuse_errors", "FUSE operations that failed", ["op", "errno"],
                                    registry=r)
+        self.passthrough_opens = Counter("cachefs_passthrough_opens", "Opens the kernel serves from a cache file "
+                                         "itself (FUSE passthrough: no READ reaches the daemon)", registry=r)
+        # reason in {kernel, no_cap_sys_admin, backing_open, no_xattr, not_cached, busy, mutable, off}
+        self.passthrough_fallbacks = Counter("cachefs_passthrough_fallbacks", "Opens (or whole mounts: kernel, "
+                                             "mutable, off, no_cap_sys_admin, no_xattr) served without passthrough, "
+                                             "by reason", ["reason"], registry=r)
+        # result in {ok, corrupt}
+        self.scrub_files = Counter("cachefs_scrub_files", "Exact cache files verified before their first "
+                                   "hand-over or by the background scrub, by result", ["result"], registry=r)
         self.fuse_latency = Histogram("cachefs_fuse_operation_seconds", "FUSE operation latency", ["op"],
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.read_bytes = Counter("cachefs_read_bytes", "Bytes served to readers from any tier or the store, "

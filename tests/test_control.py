@@ -275,12 +275,12 @@ def scripted(monkeypatch, tmp_path):
     sent: list[bytes] = []
     (tmp_path / protocol.CONTROL_NAME).write_bytes(b"")
 
-    def replies(fd, mountpoint):
+    def replies(fd, mountpoint, channel):
         for line in lines:
             yield json.loads(line)
 
     monkeypatch.setattr(client, "_replies", replies)
-    monkeypatch.setattr(client, "_write_all", lambda fd, data, mnt: sent.append(data))
+    monkeypatch.setattr(client._Files, "send", staticmethod(lambda fd, data, mnt: sent.append(data)))
     return lines, sent, str(tmp_path)
 
 

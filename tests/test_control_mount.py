@@ -134,3 +134,30 @@ def test_errors_keep_their_exit_codes_across_the_wire(dataset, public_dir, mount
     nothing = cachefs("sync", str(mnt.path))                  # no sync command on a read-only mount
     assert nothing.returncode == ExitCode.USAGE and "read-only mount: nothing to sync" in nothing.stderr
     assert cachefs("umount", str(mnt.path)).returncode == 0  # its drain asks hello, finds no sync
+
+
+def test_a_read_only_mount_is_ro_and_its_control_file_speaks_by_ioctl(dataset, mount_factory):
+    """Nothing can be written to an --immutable mount: the kernel mounts it read-only (mountinfo
+    says ro, writes fail with EROFS at once), and status, warmup and umount reach the daemon over
+    the control file's ioctl channel, as a read-only bind in a pod would need."""
+    import errno
+    import os
+
+    from cachefs.host import mounts
+
+    server, bucket = dataset
+    mnt = mount_factory(f"s3://{bucket}", "--endpoint-url", server.endpoint_url, "--immutable").start()
+    [entry] = [m for m in mounts() if m.mountpoint == str(mnt.path)]
+    options = open("/proc/self/mountinfo").read().split(f" {mnt.path} ")[1].split()[0].split(",")
+    assert "ro" in options and entry.fstype == "fuse.cachefs"
+    with pytest.raises(OSError) as info:
+        os.open(mnt.path / ".cachefs-control", os.O_RDWR)
+    assert info.value.errno == errno.EROFS                 # the write channel is closed: ioctl it is
+    assert next(request(str(mnt.path), "status"))["pid"] == mnt.status()["pid"]
+    result = cachefs("warmup", "--json", str(mnt.path / "ds"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["fetched_files"] == len(FILES)
+    with pytest.raises(OSError) as info:
+        (mnt.path / "new.txt").write_bytes(b"x")
+    assert info.value.errno == errno.EROFS
+    mnt.umount()

@@ -5,6 +5,7 @@ import errno
 import logging
 import os
 import random
+import types
 
 import pytest
 import trio
@@ -375,7 +376,7 @@ def test_a_failed_read_is_logged_once(bucket_mem, caplog):
     store = bucket_mem.store()
     vfs = make_vfs(store)
     metrics = Metrics()
-    ops = Operations(vfs, Control(vfs.new_fh), metrics, None, uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
+    ops = Operations(vfs, Control(vfs.new_fh), metrics, types.SimpleNamespace(passthrough=False), uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
                      metadata_ttl=TTL, immutable=False)
 
     async def main():

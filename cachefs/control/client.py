@@ -4,8 +4,10 @@ Imports only the protocol (stdlib and ``cachefs.errors``), never the daemon stac
 """
 
 import errno
+import fcntl
 import json
 import os
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,10 +18,10 @@ from cachefs.errors import NoDaemon, Unsupported
 def request(mountpoint: str, command: str, **args: Any) -> Iterator[dict]:
     """Send one command to the daemon serving ``mountpoint``; yield its events (the last one is
     the result). An error in the daemon is raised here as a CachefsError carrying its exit code."""
-    fd = _open(mountpoint)
+    fd, channel = _open(mountpoint)
     try:
-        _write_all(fd, protocol.encode_request(command, args), mountpoint)
-        for reply in _replies(fd, mountpoint):
+        channel.send(fd, protocol.encode_request(command, args), mountpoint)
+        for reply in _replies(fd, mountpoint, channel):
             kind = reply.get("kind") if isinstance(reply, dict) else None
             if kind == "event":
                 yield reply.get("data", {})
@@ -41,30 +43,66 @@ def hello(mountpoint: str) -> dict:
     return next(request(mountpoint, protocol.HELLO))
 
 
-def _open(mountpoint: str) -> int:
+class _Files:
+    """The request written to, the replies read from, the control file (a read-write mount)."""
+
+    @staticmethod
+    def send(fd: int, data: bytes, mountpoint: str) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as exc:
+            raise NoDaemon(_why(mountpoint, exc)) from None
+
+    @staticmethod
+    def receive(fd: int) -> bytes:
+        return os.read(fd, 1 << 16)
+
+
+class _Ioctls:
+    """The same bytes by ioctl on a read-only descriptor (a read-only mount)."""
+
+    @staticmethod
+    def send(fd: int, data: bytes, mountpoint: str) -> None:
+        step = protocol.IOCTL_PIECE - 4
+        try:
+            for start in range(0, max(len(data), 1), step):
+                piece = data[start:start + step]
+                fcntl.ioctl(fd, protocol.IOCTL_SEND, bytearray(struct.pack("<I", len(piece)) + piece.ljust(step, b"\0")))
+        except OSError as exc:
+            raise NoDaemon(_why(mountpoint, exc)) from None
+
+    @staticmethod
+    def receive(fd: int) -> bytes:
+        buf = bytearray(protocol.IOCTL_PIECE)
+        fcntl.ioctl(fd, protocol.IOCTL_RECEIVE, buf)
+        (length,) = struct.unpack_from("<I", buf)
+        return bytes(buf[4:4 + min(length, protocol.IOCTL_PIECE - 4)])
+
+
+def _open(mountpoint: str):
+    """The control file, open for writing where the mount allows it, else read-only with the
+    ioctl channel."""
     path = os.path.join(mountpoint, protocol.CONTROL_NAME)
     try:
-        return os.open(path, os.O_RDWR)
+        return os.open(path, os.O_RDWR), _Files
     except FileNotFoundError:
         raise NoDaemon(f"{mountpoint} is not a cachefs mount") from None
     except OSError as exc:
-        raise NoDaemon(_why(mountpoint, exc)) from None
-
-
-def _write_all(fd: int, data: bytes, mountpoint: str) -> None:
-    view = memoryview(data)
+        if exc.errno != errno.EROFS:
+            raise NoDaemon(_why(mountpoint, exc)) from None
     try:
-        while view:
-            view = view[os.write(fd, view):]
+        return os.open(path, os.O_RDONLY), _Ioctls
     except OSError as exc:
         raise NoDaemon(_why(mountpoint, exc)) from None
 
 
-def _replies(fd: int, mountpoint: str) -> Iterator[Any]:
+def _replies(fd: int, mountpoint: str, channel) -> Iterator[Any]:
     pending = b""
     while True:
         try:
-            chunk = os.read(fd, 1 << 16)
+            chunk = channel.receive(fd)
         except OSError as exc:
             raise NoDaemon(_why(mountpoint, exc)) from None
         if not chunk:

@@ -4,7 +4,11 @@ Stdlib only (plus ``cachefs.errors``): clients import this module and ``client``
 stack, so ``import warmup.cli`` loads neither trio nor pyfuse3 nor boto3.
 
 A client opens ``MOUNT/.cachefs-control`` read-write, writes one request (a JSON object, at most
-``MAX_REQUEST`` bytes), then reads newline-delimited JSON replies until EOF:
+``MAX_REQUEST`` bytes), then reads newline-delimited JSON replies until EOF. On a read-only mount
+(where no file opens for writing) the same bytes travel by ``ioctl`` on a read-only descriptor:
+``IOCTL_SEND`` carries a piece of the request, ``IOCTL_RECEIVE`` returns the next piece of the
+replies (each piece a 4-byte little-endian length, then that many bytes; length 0: the end). A
+daemon whose FUSE layer has no ioctl (pyfuse3) answers ENOTTY and keeps its mount writable.
 
     request  {"protocol": 1, "op": "sync", "args": {"wait": true}}
     replies  {"kind": "event", "data": {...}}        zero or more: progress lines, then the result
@@ -29,6 +33,9 @@ PROTOCOL_VERSION = 1                 # raise it when a request or reply changes 
 MIN_PROTOCOL_VERSION = 1             # the oldest client protocol this daemon still answers
 MAX_REQUEST = 1 << 20                # bytes in one request (a manifest is sent in parts)
 HELLO = "hello"                      # the handshake: {"protocol", "version", "commands", "restricted"}
+IOCTL_PIECE = 4096                   # bytes of one ioctl's buffer (a 4-byte length, then data)
+IOCTL_SEND = 0x40000000 | (IOCTL_PIECE << 16) | (ord("C") << 8) | 1      # _IOW('C', 1, 4096)
+IOCTL_RECEIVE = 0x80000000 | (IOCTL_PIECE << 16) | (ord("C") << 8) | 2   # _IOR('C', 2, 4096)
 # The cache-file channel for local loaders (control/cachefds.py, data/direct.py): block
 # descriptors in one answer (SCM_RIGHTS carries at most 253).
 CACHE_FILES_PER_ANSWER = 128

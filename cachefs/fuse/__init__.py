@@ -5,6 +5,7 @@ the handler types (``types``), and the pyfuse3 fallback (``pyfuse3_backend``).
 the default) or ``pyfuse3``. Both take the same ``fuse_ops.Operations``.
 """
 
+from cachefs.fuse import abi
 from cachefs.fuse.mount import MountOptions
 from cachefs.fuse.session import Session, SessionOptions
 from cachefs.fuse.types import Attr, Context, DirReply, FileInfo, FuseError, SetattrFields, StatFs
@@ -31,6 +32,13 @@ class CachefsBackend:
 
     def terminate(self) -> None:
         self.session.terminate()
+
+    def status(self) -> dict:
+        n = self.session.negotiated
+        return {"backend": self.name, "protocol": f"7.{n.minor}", "flags": abi.flag_names(n.flags).split(),
+                "passthrough": self.session.passthrough, "requests": self.session.requests,
+                "by_opcode": {abi.OPCODE_NAMES.get(op, str(op)): count
+                              for op, count in sorted(self.session.opcodes.items())}}
 
     def close(self, unmount: bool) -> None:
         self.session.close(unmount)

@@ -144,6 +144,8 @@ INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")     # major minor max_readahead fla
 #                                                  max_write time_gran max_pages map_alignment flags2 max_stack_depth
 INTERRUPT_IN = struct.Struct("<Q")               # unique
 DIRENT = struct.Struct("<QQII")                  # ino off namelen type
+IOCTL_IN = struct.Struct("<QIIQII")              # fh flags cmd arg in_size out_size
+IOCTL_OUT = struct.Struct("<iIII")               # result flags in_iovs out_iovs
 LSEEK_IN = struct.Struct("<QQII")                # fh offset whence padding
 LSEEK_OUT = struct.Struct("<Q")
 NOTIFY_STORE_OUT = struct.Struct("<QQII")        # nodeid offset size padding

@@ -65,7 +65,9 @@ class _Dir(DirReply):
 
 
 class Kernel:
-    """The notifications ``fuse_ops`` sends, through pyfuse3."""
+    """The notifications ``fuse_ops`` sends, through pyfuse3 (which cannot pass files through)."""
+
+    passthrough = False
 
     def notify_store(self, ino: int, offset: int, data: bytes) -> None:
         pyfuse3.notify_store(ino, offset, data)
@@ -190,6 +192,7 @@ class Pyfuse3Backend:
         self.kernel = Kernel()
 
     def mount(self, ops, mountpoint: str, *, allow_other: bool, read_only: bool) -> None:
+        """``read_only`` is not applied: without ioctl the control file needs a writable mount."""
         options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs", "noatime"}
         if allow_other:
             options.add("allow_other")
@@ -203,6 +206,9 @@ class Pyfuse3Backend:
 
     def terminate(self) -> None:
         pyfuse3.terminate()
+
+    def status(self) -> dict:
+        return {"backend": self.name, "passthrough": False}
 
     def close(self, unmount: bool) -> None:
         pyfuse3.close(unmount=unmount)

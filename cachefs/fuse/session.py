@@ -13,10 +13,12 @@ malformed request answers EINVAL. The session never dies of a request.
 """
 
 import errno
+import fcntl
 import logging
 import os
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ class SessionOptions:
     congestion_threshold: int = 48
     passthrough: bool = False           # ask for FUSE_PASSTHROUGH (where the kernel offers it)
     readdirplus: bool = True
+    loops: int = 0                      # extra request loops: threads reading cloned descriptors
 
 
 @dataclass(slots=True)
@@ -61,9 +64,10 @@ class Negotiated:
 
 
 class Request:
-    __slots__ = ("opcode", "unique", "nodeid", "uid", "gid", "pid", "body")
+    __slots__ = ("opcode", "unique", "nodeid", "uid", "gid", "pid", "body", "fd")
 
-    def __init__(self, data: memoryview) -> None:
+    def __init__(self, data: memoryview, fd: int) -> None:
+        self.fd = fd                  # the descriptor it was read from: its answer goes there
         (length, self.opcode, self.unique, self.nodeid, self.uid, self.gid, self.pid,
          _ext, _pad) = abi.IN_HEADER.unpack_from(data)
         self.body = data[abi.IN_HEADER.size:length]
@@ -100,10 +104,12 @@ def attr_out(attr: Attr) -> bytes:
 
 
 def open_out(info: FileInfo) -> bytes:
+    if info.backing_id > 0:           # the kernel reads the backing file: no cache or direct-I/O flags beside it
+        return abi.OPEN_OUT.pack(info.fh, abi.FOPEN_PASSTHROUGH | (abi.FOPEN_NOFLUSH if info.noflush else 0),
+                                 info.backing_id)
     flags = ((abi.FOPEN_KEEP_CACHE if info.keep_cache else 0) | (abi.FOPEN_DIRECT_IO if info.direct_io else 0)
-             | (abi.FOPEN_NONSEEKABLE if info.nonseekable else 0) | (abi.FOPEN_NOFLUSH if info.noflush else 0)
-             | (abi.FOPEN_PASSTHROUGH if info.backing_id > 0 else 0))
-    return abi.OPEN_OUT.pack(info.fh, flags, info.backing_id if info.backing_id > 0 else 0)
+             | (abi.FOPEN_NONSEEKABLE if info.nonseekable else 0) | (abi.FOPEN_NOFLUSH if info.noflush else 0))
+    return abi.OPEN_OUT.pack(info.fh, flags, 0)
 
 
 class _DirBuffer(DirReply):
@@ -137,10 +143,16 @@ class Session:
         self.negotiated = Negotiated()
         self.ops = None
         self.requests = 0
+        self.opcodes: dict[int, int] = {}       # requests read, by opcode
         self._running: dict[int, trio.CancelScope] = {}     # unique -> scope of an interruptible task
         self._nursery: trio.Nursery | None = None
         self._stop = False
         self._initialized = trio.Event()
+        self._passthrough_refused = 0
+        self._clones: list[int] = []
+        self._inbox: list[tuple[bytes, int]] = []
+        self._inbox_lock = threading.Lock()
+        self._token = None
         self._table = self._build_table()
 
     def mount(self, mountpoint: str, options: MountOptions) -> None:
@@ -155,6 +167,9 @@ class Session:
                 mount.unmount(self.mountpoint, lazy=True)
             except CachefsError as exc:
                 log.warning("%s", exc)
+        for fd in self._clones:
+            os.close(fd)
+        self._clones.clear()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -169,12 +184,58 @@ class Session:
         view = memoryview(buf)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self._token = trio.lowlevel.current_trio_token()
             task_status.started()
             try:
+                nursery.start_soon(self._start_loops)
                 await self._loop(buf, view)
             finally:
                 nursery.cancel_scope.cancel()
                 self._nursery = None
+
+    # ---- extra request loops: threads on cloned descriptors -----------------------------------------
+    async def _start_loops(self) -> None:
+        """After INIT, ``options.loops`` threads that each read requests from a clone of the
+        session's descriptor (FUSE_DEV_IOC_CLONE) and hand them to the trio thread in batches:
+        the reads (the kernel's copy of each request) leave the trio thread; one owner answers."""
+        if self.options.loops <= 0:
+            return
+        await self._initialized.wait()
+        for i in range(self.options.loops):
+            try:
+                fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+                fcntl.ioctl(fd, abi.DEV_IOC_CLONE, bytearray(struct.pack("<I", self.fd)))
+            except OSError as exc:
+                log.info("cannot clone the FUSE descriptor (%s): %d request loop(s) only", exc, i + 1)
+                return
+            self._clones.append(fd)
+            threading.Thread(target=self._clone_loop, args=(fd,), name=f"fuse-loop-{i + 1}", daemon=True).start()
+        log.info("%d extra FUSE request loop(s) on cloned descriptors", self.options.loops)
+
+    def _clone_loop(self, fd: int) -> None:
+        buf = bytearray(abi.BUFFER_SIZE)
+        while not self._stop:
+            try:
+                length = os.readv(fd, [buf])
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.EINTR):
+                    continue
+                return                       # ENODEV: unmounted; EBADF: closed
+            with self._inbox_lock:
+                self._inbox.append((bytes(buf[:length]), fd))
+                wake = len(self._inbox) == 1
+            if wake:
+                try:
+                    self._token.run_sync_soon(self._drain_inbox)
+                except trio.RunFinishedError:
+                    return
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            batch, self._inbox = self._inbox, []
+        for data, fd in batch:
+            self.requests += 1
+            self._dispatch(memoryview(data), fd)
 
     async def _loop(self, buf: bytearray, view: memoryview) -> None:
         burst = 0
@@ -192,7 +253,7 @@ class Session:
                     continue
                 raise
             self.requests += 1
-            self._dispatch(view[:length])
+            self._dispatch(view[:length], self.fd)
             burst += 1
             if burst >= _BURST:
                 burst = 0
@@ -208,51 +269,52 @@ class Session:
         await self._initialized.wait()
 
     # ---- dispatch ------------------------------------------------------------------------------
-    def _dispatch(self, data: memoryview) -> None:
+    def _dispatch(self, data: memoryview, fd: int) -> None:
         try:
-            req = Request(data)
+            req = Request(data, fd)
         except struct.error:
             log.error("a malformed FUSE request (%d bytes) was dropped", len(data))
             return
+        self.opcodes[req.opcode] = self.opcodes.get(req.opcode, 0) + 1
         entry = self._table.get(req.opcode)
         if entry is None:
             if req.opcode not in _NO_REPLY:
-                self.reply_error(req.unique, errno.ENOSYS)
+                self.reply_error(req, errno.ENOSYS)
             return
         try:
             entry(req)
         except FuseError as exc:
-            self.reply_error(req.unique, exc.errno)
+            self.reply_error(req, exc.errno)
         except (struct.error, ValueError, IndexError):
             log.error("malformed %s request: answered EINVAL", abi.OPCODE_NAMES.get(req.opcode), exc_info=True)
-            self.reply_error(req.unique, errno.EINVAL)
+            self.reply_error(req, errno.EINVAL)
         except Exception:
             log.exception("FUSE %s failed: answered EIO", abi.OPCODE_NAMES.get(req.opcode))
-            self.reply_error(req.unique, errno.EIO)
+            self.reply_error(req, errno.EIO)
 
     def _later(self, req: Request, work: Callable, encode: Callable) -> None:
         """Run ``await work()`` in a task and answer with ``encode(result)`` (bytes or None)."""
-        self._nursery.start_soon(self._run, req.unique, req.opcode in _INTERRUPTIBLE, work, encode,
+        self._nursery.start_soon(self._run, req, req.opcode in _INTERRUPTIBLE, work, encode,
                                  name=abi.OPCODE_NAMES.get(req.opcode, "fuse"))
 
-    async def _run(self, unique: int, interruptible: bool, work: Callable, encode: Callable) -> None:
+    async def _run(self, req: Request, interruptible: bool, work: Callable, encode: Callable) -> None:
         scope = trio.CancelScope()
         if interruptible:
-            self._running[unique] = scope
+            self._running[req.unique] = scope
         try:
             with scope:
                 result = await work()
             if scope.cancelled_caught:
-                self.reply_error(unique, errno.EINTR)
+                self.reply_error(req, errno.EINTR)
                 return
-            self.reply(unique, encode(result))
+            self.reply(req, encode(result))
         except FuseError as exc:
-            self.reply_error(unique, exc.errno)
+            self.reply_error(req, exc.errno)
         except Exception:
             log.exception("a FUSE request failed: answered EIO")
-            self.reply_error(unique, errno.EIO)
+            self.reply_error(req, errno.EIO)
         finally:
-            self._running.pop(unique, None)
+            self._running.pop(req.unique, None)
 
     def _answer(self, req: Request, now: Callable | None, later: Callable, encode: Callable) -> None:
         """The fast path ``now()`` if there is one and it needs no wait, else ``later()`` in a task."""
@@ -262,30 +324,59 @@ class Session:
             except Later:
                 pass
             else:
-                self.reply(req.unique, encode(result))
+                self.reply(req, encode(result))
                 return
         self._later(req, later, encode)
 
     # ---- replies -------------------------------------------------------------------------------
-    def reply(self, unique: int, payload=None) -> None:
+    def reply(self, req: "Request", payload=None) -> None:
+        """Answer ``req`` on the descriptor it was read from (each has its own queue of requests
+        in flight: an answer on another one finds no request)."""
+        unique = req.unique
         if payload is None:
-            self._send([abi.OUT_HEADER.pack(abi.OUT_HEADER.size, 0, unique)])
+            self._send(req.fd, [abi.OUT_HEADER.pack(abi.OUT_HEADER.size, 0, unique)])
         elif isinstance(payload, list):
             size = abi.OUT_HEADER.size + sum(len(p) for p in payload)
-            self._send([abi.OUT_HEADER.pack(size, 0, unique), *payload])
+            self._send(req.fd, [abi.OUT_HEADER.pack(size, 0, unique), *payload])
         else:
-            self._send([abi.OUT_HEADER.pack(abi.OUT_HEADER.size + len(payload), 0, unique), payload])
+            self._send(req.fd, [abi.OUT_HEADER.pack(abi.OUT_HEADER.size + len(payload), 0, unique), payload])
 
-    def reply_error(self, unique: int, code: int) -> None:
-        self._send([abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -code, unique)])
+    def reply_error(self, req: "Request", code: int) -> None:
+        self._send(req.fd, [abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -code, req.unique)])
 
-    def _send(self, parts: list) -> None:
+    def _send(self, fd: int, parts: list) -> None:
         try:
-            os.writev(self.fd, parts)
+            os.writev(fd, parts)
         except OSError as exc:
             # ENOENT: the request was interrupted or the connection aborted meanwhile: nobody waits
             if exc.errno not in (errno.ENOENT, errno.ENODEV, errno.ECONNABORTED):
                 log.error("cannot answer a FUSE request: %s", exc)
+
+    # ---- passthrough (the kernel side API for handlers) ---------------------------------------------
+    @property
+    def passthrough(self) -> bool:
+        """The kernel agreed to FUSE passthrough and no hand-over has been refused for good."""
+        return self.negotiated.has(abi.PASSTHROUGH) and not self._passthrough_refused
+
+    def backing_open(self, fd: int) -> int:
+        """Register ``fd`` as a backing file; the id to answer an OPEN with. OSError when the
+        kernel refuses; EPERM (no CAP_SYS_ADMIN) turns passthrough off for the session."""
+        arg = bytearray(abi.BACKING_MAP.pack(fd, 0, 0))
+        try:
+            return fcntl.ioctl(self.fd, abi.DEV_IOC_BACKING_OPEN, arg)
+        except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL):
+                self._passthrough_refused = exc.errno
+                log.info("FUSE passthrough refused by the kernel (%s): every read goes through the daemon",
+                         os.strerror(exc.errno))
+            raise
+
+    def backing_close(self, backing_id: int) -> None:
+        try:
+            fcntl.ioctl(self.fd, abi.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
+        except OSError as exc:
+            if exc.errno not in (errno.ENODEV, errno.ENOENT, errno.ENOTCONN):
+                log.warning("closing FUSE backing id %d: %s", backing_id, exc)
 
     # ---- notifications (the kernel side API for handlers) -----------------------------------------
     def notify_store(self, ino: int, offset: int, data: bytes) -> None:
@@ -319,13 +410,13 @@ class Session:
                 abi.RELEASEDIR: self._releasedir, abi.FSYNCDIR: self._fsyncdir, abi.STATFS: self._statfs,
                 abi.CREATE: self._create, abi.MKDIR: self._mkdir, abi.MKNOD: self._mknod, abi.UNLINK: self._unlink,
                 abi.RMDIR: self._rmdir, abi.RENAME: self._rename, abi.RENAME2: self._rename2, abi.LINK: self._link,
-                abi.SYMLINK: self._symlink, abi.INTERRUPT: self._interrupt}
+                abi.SYMLINK: self._symlink, abi.INTERRUPT: self._interrupt, abi.IOCTL: self._ioctl}
 
     def _init(self, req: Request) -> None:
         major, minor, max_readahead, flags = abi.INIT_IN_OLD.unpack_from(req.body)
         if major != abi.KERNEL_MAJOR or minor < abi.MIN_KERNEL_MINOR:
             log.error("the kernel speaks FUSE %d.%d; cachefs needs 7.%d or newer", major, minor, abi.MIN_KERNEL_MINOR)
-            self.reply_error(req.unique, errno.EPROTO)
+            self.reply_error(req, errno.EPROTO)
             return
         if flags & abi.INIT_EXT and len(req.body) >= abi.INIT_IN.size:
             flags |= abi.INIT_IN.unpack_from(req.body)[4] << 32
@@ -345,12 +436,12 @@ class Session:
                                 1, abi.MAX_PAGES_VALUE, 0, agreed >> 32, 1 if agreed & abi.PASSTHROUGH else 0)
         if n.minor < 23:
             out = out[:24]                    # the 7.22 layout: no time_gran, max_pages or flags2
-        self.reply(req.unique, out)
+        self.reply(req, out)
         log.info("FUSE 7.%d (kernel 7.%d): %s", n.minor, minor, abi.flag_names(agreed))
         self._initialized.set()
 
     def _destroy(self, req: Request) -> None:
-        self.reply(req.unique)
+        self.reply(req)
         self._stop = True
 
     def _lookup(self, req: Request) -> None:
@@ -439,7 +530,7 @@ class Session:
         self._later(req, lambda: self.ops.releasedir(fh), _empty)
 
     def _fsyncdir(self, req: Request) -> None:
-        self.reply(req.unique)
+        self.reply(req)
 
     def _statfs(self, req: Request) -> None:
         self._later(req, lambda: self.ops.statfs(req.ctx()), _statfs_out)
@@ -488,6 +579,15 @@ class Session:
     def _symlink(self, req: Request) -> None:
         name, target = bytes(req.body).split(b"\0")[:2]
         self._later(req, lambda: self.ops.symlink(req.nodeid, name, target, req.ctx()), entry_out)
+
+    def _ioctl(self, req: Request) -> None:
+        fh, _flags, cmd, _arg, in_size, out_size = abi.IOCTL_IN.unpack_from(req.body)
+        data = bytes(req.body[abi.IOCTL_IN.size:abi.IOCTL_IN.size + in_size])
+        ioctl, now = getattr(self.ops, "ioctl", None), getattr(self.ops, "now_ioctl", None)
+        if ioctl is None:
+            raise FuseError(errno.ENOTTY)
+        self._answer(req, now and (lambda: now(fh, cmd)), lambda: ioctl(fh, cmd, data, out_size),
+                     lambda answer: [abi.IOCTL_OUT.pack(answer[0], 0, 0, 0), answer[1][:out_size]])
 
     def _interrupt(self, req: Request) -> None:
         target = abi.INTERRUPT_IN.unpack_from(req.body)[0]

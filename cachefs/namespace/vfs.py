@@ -284,15 +284,28 @@ class Vfs(NameChanges):
         self.dir_handles.pop(fh, None)
 
     # ---- files ------------------------------------------------------------------------------
-    def open_now(self, inode: int, flags: int) -> tuple[Handle, bool]:
+    def handover_version(self, inode: int, flags: int) -> FileVersion | None:
+        """The version an open of ``inode`` would pin, when the open could be handed to the kernel
+        (a store file of an unpacked mount, opened for reading, nothing staged, fresh): None when
+        it cannot; NeedsWait when the node needs revalidating first. No side effect."""
+        node = self.node(inode)
+        if (node.is_dir or not node.is_store_file or node.staged is not None or self.packed is not None
+                or flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND)):
+            return None
+        if not self.is_fresh(node.checked_at):
+            raise NeedsWait
+        return FileVersion(node.path, node.etag, node.size)
+
+    def open_now(self, inode: int, flags: int, *, handed_over: bool = False) -> tuple[Handle, bool]:
         """``open`` of a file for reading that needs no revalidation and no content pushed to the
-        kernel first (``preload``): NeedsWait otherwise."""
+        kernel first (``preload``; none when the kernel reads the cache file itself,
+        ``handed_over``): NeedsWait otherwise."""
         node = self.node(inode)
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND) or not self.is_fresh(node.checked_at):
             raise NeedsWait
-        if node.kernel_etag != node.etag and node.staged is None and (
+        if not handed_over and node.kernel_etag != node.etag and node.staged is None and (
                 self.packed is not None or self.blocks.preload_needed(FileVersion(node.path, node.etag, node.size))):
             raise NeedsWait               # the open pushes the content to the kernel: an await
         if self.packed is not None:

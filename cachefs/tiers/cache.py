@@ -36,6 +36,7 @@ from cachefs.metrics import Metrics
 from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectStore
 from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.handover import ExactFile, HandOver
 from cachefs.tiers.hedge import Hedger, cancellable_gets
 from cachefs.tiers.key import BlockKey
 from cachefs.tiers.memory import MemoryTier
@@ -106,6 +107,7 @@ class Tiers:
         # Hedged GETs (hedge.py) take their limiter slots themselves: the store gets an unbounded one.
         self._hedger = hedger if hedger is not None and hedger.policy.enabled and cancellable_gets(store) else None
         self._no_limit = trio.CapacityLimiter(math.inf)
+        self.handover = HandOver(disk, metrics)     # exact cache files handed to the kernel (passthrough)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the disk tier and the hedge clock, and own the nursery in which readahead runs,
@@ -115,6 +117,8 @@ class Tiers:
                 await nursery.start(self.disk.run)
             if self._hedger is not None:
                 await nursery.start(self._hedger.run)
+            if self.handover.enabled:
+                await nursery.start(self.handover.scrub)
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
@@ -185,6 +189,26 @@ class Tiers:
                 self._readahead(f, end, window)
         self.metrics.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    # ---- handing cache files to the kernel (FUSE passthrough: handover.py) ----------------------
+    def exact_file_now(self, f: FileVersion) -> ExactFile | None:
+        """The verified exact cache file of ``f`` (all of it in one block), held until
+        ``release_exact``; None if there is none; NeedsWait if verifying it needs a disk read."""
+        if not self._exact_candidate(f):
+            return None
+        return self.handover.now(self.key(f, 0), f.size)
+
+    async def exact_file(self, f: FileVersion) -> ExactFile | None:
+        """``exact_file_now``, verifying in a worker thread when needed."""
+        if not self._exact_candidate(f):
+            return None
+        return await self.handover.get(self.key(f, 0), f.size)
+
+    def release_exact(self, exact: ExactFile) -> None:
+        self.handover.release(exact)
+
+    def _exact_candidate(self, f: FileVersion) -> bool:
+        return self.handover.enabled and 0 < f.size < self.block_size
 
     def preload_needed(self, f: FileVersion) -> bool:
         """Whether an open of ``f`` would push it into the page cache (``preload``): a small

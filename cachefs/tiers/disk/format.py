@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 HEADER_ALIGN = 4096
 _MAX_CHUNKS = 1 << 20
+#: an *exact* block file holds only the data, from offset 0 (so the kernel can read it as the
+#: file itself: FUSE passthrough); its header lives in this extended attribute, written on the
+#: temporary file before the one rename that publishes both
+XATTR = "user.cachefs.block"
 _xxh = xxhash.xxh3_64_intdigest
 
 Pread = Callable[[int, int, int], bytes]
@@ -51,6 +55,9 @@ class BlockHeader:
     ========  ======  =========================================================
 
     A file is valid only if its size is exactly ``length + data_len``.
+
+    An *exact* file (``XATTR`` set) holds the same header, unpadded, in that extended attribute
+    and only the data in the file, from offset 0: ``length`` is then 0.
     """
 
     data_len: int
@@ -79,6 +86,12 @@ class BlockHeader:
         body += struct.pack(f"<{len(digests)}Q", *digests)
         body += struct.pack("<Q", _xxh(body))
         return body.ljust(cls.length_for(len(data), chunk_size), b"\0")
+
+    @classmethod
+    def encode_exact(cls, data: bytes, chunk_size: int) -> bytes:
+        """The header of an exact file (its extended attribute): ``encode`` without the padding."""
+        header = cls.encode(data, chunk_size)
+        return header[:cls._FIXED.size + 8 * -(-len(data) // chunk_size) + 8]
 
     @classmethod
     def peek_length(cls, buf: bytes) -> int:
@@ -163,9 +176,26 @@ def open_block(path: str, want: int, pread: Pread) -> tuple[int, BlockHeader, by
     return fd, header, buf
 
 
+def exact_header(fd: int) -> BlockHeader | None:
+    """The header of an exact block file (``XATTR``), or None for a file with its header inside."""
+    try:
+        raw = os.getxattr(fd, XATTR)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise
+    header = BlockHeader.parse(raw)
+    return BlockHeader(header.data_len, header.chunk_size, header.digests, 0)
+
+
 def parse_block(fd: int, want: int, pread: Pread) -> tuple[BlockHeader, bytes]:
     """The header of an open block file (and ``want`` data bytes read along with it)."""
     file_size = os.fstat(fd).st_size
+    exact = exact_header(fd)
+    if exact is not None:
+        if file_size != exact.data_len:
+            raise CorruptBlock(f"file has {file_size} bytes, header says {exact.data_len}")
+        return exact, pread(fd, want, 0) if want else b""
     buf = pread(fd, HEADER_ALIGN + want, 0)
     length = BlockHeader.peek_length(buf)
     if length > HEADER_ALIGN:
@@ -228,23 +258,28 @@ def read_opened(fd: int, want: int, offset: int, size: int) -> tuple[int, BlockH
 
 # --- writes --------------------------------------------------------------------------------
 
+class NoXattrs(OSError):
+    """The cache filesystem keeps no user extended attributes: no exact files on it."""
+
+
 def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, chunk_size: int,
-                     fsync: bool, direct: DirectWrites | None = None) -> list[OSError]:
-    """Unlink the evicted files, then write ``data`` crash-safely as ``final``.
+                     fsync: bool, direct: DirectWrites | None = None, exact: bool = False) -> list[OSError]:
+    """Unlink the evicted files, then write ``data`` crash-safely as ``final`` (``exact``: the data
+    alone, its header in ``XATTR``; NoXattrs when the filesystem cannot keep one, nothing written).
 
     Returns the unlink errors (missing files are not errors); raises OSError if the write fails.
     """
     errors = unlink_paths(doomed)
-    header = BlockHeader.encode(data, chunk_size)
+    header = b"" if exact else BlockHeader.encode(data, chunk_size)
+    xattr = BlockHeader.encode_exact(data, chunk_size) if exact else None
     try:
-        if direct is None or not direct.write(tmp, header, data, fsync):
+        if direct is None or not direct.write(tmp, header, data, fsync, xattr):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 written = os.writev(fd, [header, data])
                 if written < len(header) + len(data):    # a short writev (rare): finish the rest
                     write_all(fd, (header + data)[written:])
-                if fsync:
-                    os.fdatasync(fd)
+                _finish(fd, fsync, xattr)
             finally:
                 os.close(fd)
         # No directory fsync: a rename lost in a crash is only a cache miss. The data is durable
@@ -255,6 +290,20 @@ def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, ch
             os.unlink(tmp)
         raise
     return errors
+
+
+def _finish(fd: int, fsync: bool, xattr: bytes | None) -> None:
+    """Set an exact file's header attribute, then make the file durable (a full fsync then:
+    the attribute is metadata)."""
+    if xattr is not None:
+        try:
+            os.setxattr(fd, XATTR, xattr)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+                raise NoXattrs(exc.errno, exc.strerror) from None
+            raise
+    if fsync:
+        (os.fsync if xattr is not None else os.fdatasync)(fd)
 
 
 class DirectWrites:
@@ -283,7 +332,7 @@ class DirectWrites:
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
-    def write(self, tmp: Path, header: bytes, data: bytes, fsync: bool) -> bool:
+    def write(self, tmp: Path, header: bytes, data: bytes, fsync: bool, xattr: bytes | None = None) -> bool:
         """Write ``header + data`` as the new file ``tmp``; False (and no file) when its file
         system refuses O_DIRECT: the caller then writes it buffered."""
         if self.refused and _device(tmp.parent) in self.refused:
@@ -308,10 +357,9 @@ class DirectWrites:
                     done += os.pwritev(fd, [view[done:padded]], done)
             if padded != total:
                 os.ftruncate(fd, total)
-            if fsync:
-                os.fdatasync(fd)
+            _finish(fd, fsync, xattr)
         except OSError as exc:
-            if exc.errno != errno.EINVAL:          # the caller removes tmp
+            if exc.errno != errno.EINVAL or isinstance(exc, NoXattrs):    # the caller removes tmp
                 raise
             os.unlink(tmp)                         # an alignment this device refuses: buffered it is
             self._refuse(tmp.parent)

@@ -47,6 +47,7 @@ class _FillJob:
     ok: bool = False
     cancelled: bool = False
     low: bool = False         # a warm fill: its own writer threads, outside the fill queue's budget
+    exact: bool = False       # written as an exact file (the data alone: passthrough can hand it over)
 
 
 class DiskTier:
@@ -55,8 +56,10 @@ class DiskTier:
     def __init__(self, root: Path, *, capacity: int, free_space_ratio: float, metrics: Metrics,
                  fsync: bool = True, fill_workers: int = 4, max_pending_fill_bytes: int = 256 << 20,
                  chunk_size: int = 128 << 10, health: DiskHealth | None = None,
-                 warm_workers: int = 8, direct_io: bool = True) -> None:
+                 warm_workers: int = 8, direct_io: bool = True, exact_files: bool = False) -> None:
         self.layout = Layout(root)
+        # single-block objects as exact files (format.XATTR): FUSE passthrough hands them to the kernel
+        self.exact_files = exact_files
         self.root = self.layout.root
         self._metrics = metrics
         self._fsync = fsync
@@ -176,6 +179,21 @@ class DiskTier:
     def contains_digest(self, digest: str) -> bool:
         return self._health.state != DiskHealth.DOWN and digest in self._index
 
+    def exact_file(self, key: BlockKey) -> tuple[int, fmt.BlockHeader] | None:
+        """A read-only descriptor and the header of the block's file if it is an exact file (the
+        object's bytes from offset 0, header in its attribute); None otherwise. Not verified."""
+        fd = self.open_block_file(key)
+        if fd is None:
+            return None
+        try:
+            header = fmt.exact_header(fd)
+            if header is not None and os.fstat(fd).st_size == header.data_len:
+                return fd, header
+        except (OSError, CorruptBlock):
+            pass
+        os.close(fd)
+        return None
+
     def open_block_file(self, key: BlockKey) -> int | None:
         """A read-only descriptor of the block's file (for ``control.cachefds``), or None when the
         tier does not hold it. The file is never rewritten in place (temp + rename) and an
@@ -200,8 +218,12 @@ class DiskTier:
         if reason is not None:
             self._metrics.dropped_fills.labels(_TIER, reason).inc()
             return False
-        self._fill_send.send_nowait(self._register(digest, data))
+        self._fill_send.send_nowait(self._register(digest, data, exact=self._exact(key, data)))
         return True
+
+    def _exact(self, key: BlockKey, data: bytes) -> bool:
+        """Write this block as an exact file: it is a whole object (block 0, shorter than a block)."""
+        return self.exact_files and key.index == 0 and 0 < len(data) < key.block_size
 
     async def fill(self, key: BlockKey, data: bytes) -> bool:
         """Write ``data`` now and wait; True when the block is cached."""
@@ -226,7 +248,7 @@ class DiskTier:
         if reason is not None:
             self._metrics.dropped_fills.labels(_TIER, reason).inc()
             return False
-        job = self._register(digest, data, low=low)
+        job = self._register(digest, data, low=low, exact=self._exact(key, data))
         await self._store(job)
         return job.ok
 
@@ -251,8 +273,8 @@ class DiskTier:
             return "no_space"
         return None
 
-    def _register(self, digest: str, data: bytes, low: bool = False) -> _FillJob:
-        job = self._inflight[digest] = _FillJob(digest, bytes(data), low=low)
+    def _register(self, digest: str, data: bytes, low: bool = False, exact: bool = False) -> _FillJob:
+        job = self._inflight[digest] = _FillJob(digest, bytes(data), low=low, exact=exact)
         if not low:
             self._pending_bytes += len(job.data)
             self._scale_writers()
@@ -298,12 +320,19 @@ class DiskTier:
             self._unlinking[digest] = gone
         tmp = self.layout.tmp / f"{job.digest}.{secrets.token_hex(4)}.tmp"
         written = False
+        write = functools.partial(self._write_file, exact=True) if job.exact and self.exact_files else self._write_file
         try:
             errors = await in_thread(
-                self._write_file, [self.layout.block_path(d) for d in room.doomed], tmp,
+                write, [self.layout.block_path(d) for d in room.doomed], tmp,
                 self.layout.block_path(job.digest), job.data, self._chunk_size, self._fsync,
                 limiter=self._warm_limiter if job.low else self._limiter)
             written = True
+        except fmt.NoXattrs:
+            log.info("disk tier: %s keeps no user extended attributes: cache files keep their header "
+                     "inside, and FUSE passthrough is off", self.root)
+            self.exact_files = False
+            self._metrics.passthrough_fallbacks.labels("no_xattr").inc()
+            return False
         except OSError as exc:
             self._write_failed(exc)
             return False
@@ -374,6 +403,10 @@ class DiskTier:
         if entry is not None:
             self._schedule_unlink(digest, entry.size)
             self._update_gauges()
+
+    def drop_corrupt(self, digest: str, exc: Exception) -> None:
+        """A check outside the tier found ``digest``'s file corrupt (or unreadable): drop it."""
+        self._drop_bad(digest, exc)
 
     def _drop_bad(self, digest: str, exc: Exception) -> None:
         """A read found ``digest`` corrupt (CorruptBlock) or failing (OSError): drop it."""

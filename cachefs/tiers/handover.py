@@ -1,0 +1,148 @@
+"""Handing cache files to the kernel (FUSE passthrough): which, verified, held while handed over.
+
+A whole object of less than one block is cached as an *exact* file (``disk.format``: the object's
+bytes from offset 0, header in an extended attribute). The kernel can read such a file itself, with
+no READ request to the daemon, once the daemon hands it over at OPEN. The promise of the cache
+(docs/design.md, invariant 8) holds:
+
+- a file is verified, every chunk against its header, before its first hand-over in this daemon's
+  life, by the disk tier's own verified read (``read_async``: inline when its pages are resident,
+  read ahead then inline on a fast disk, in a worker thread on a slow one); a corrupt one is
+  dropped, counted, and the open falls back to the normal path (which fetches it again);
+- a background scrub (``scrub``) re-verifies handed-over files at a bounded rate;
+- a handed-over block is held: eviction skips it until the kernel's last user releases it, so
+  the capacity rule counts what the kernel still reads.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+
+import trio
+
+from cachefs.errors import CorruptBlock, NeedsWait
+from cachefs.metrics import Metrics
+from cachefs.sched import in_thread
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.disk import format as fmt
+from cachefs.tiers.key import BlockKey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ExactFile:
+    """A verified exact cache file, open, held in the disk tier until ``HandOver.release``."""
+
+    fd: int
+    key: BlockKey
+    size: int
+
+
+class HandOver:
+    def __init__(self, disk: DiskTier | None, metrics: Metrics, scrub_bytes_s: float = 16 << 20) -> None:
+        self.disk = disk
+        self.metrics = metrics
+        self.scrub_bytes_s = scrub_bytes_s
+        self._verified: set[str] = set()
+        self._held: dict[str, int] = {}           # digest -> hand-overs not yet released
+        self._limiter = trio.CapacityLimiter(16)
+
+    @property
+    def enabled(self) -> bool:
+        return self.disk is not None and self.disk.exact_files
+
+    def now(self, key: BlockKey, size: int) -> ExactFile | None:
+        """The exact file of ``key`` if it was verified in this daemon's life; None if there is
+        none; NeedsWait if it needs verifying first (a disk read: ``get``)."""
+        if not self.enabled or not self.disk.contains(key):
+            return None
+        if key.digest() not in self._verified:
+            raise NeedsWait
+        got = self._open(key, size)
+        return self._hold(*got, key, size) if got is not None else None
+
+    async def get(self, key: BlockKey, size: int) -> ExactFile | None:
+        """``now``, verifying the file first when needed: the disk tier's verified read of all of it
+        (a corrupt file is dropped there, and counted)."""
+        if not self.enabled or not self.disk.contains(key):
+            return None
+        digest = key.digest()
+        if digest not in self._verified:
+            data = await self.disk.read_async(key, 0, size)
+            if data is None or len(data) != size:
+                self.metrics.scrub_files.labels("corrupt" if not self.disk.contains(key) else "ok").inc()
+                return None
+            self.metrics.scrub_files.labels("ok").inc()
+            self._verified.add(digest)
+        got = self._open(key, size)
+        return self._hold(*got, key, size) if got is not None else None
+
+    def release(self, exact: ExactFile) -> None:
+        """The kernel no longer reads ``exact``: it may be evicted again."""
+        digest = exact.key.digest()
+        left = self._held.get(digest, 0) - 1
+        if left > 0:
+            self._held[digest] = left
+        else:
+            self._held.pop(digest, None)
+            self.disk.release([digest])
+
+    async def scrub(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Re-verify handed-over files forever, at most ``scrub_bytes_s`` bytes a second; a
+        corrupt one is counted and dropped from the disk tier (open files keep reading the bytes
+        they had; new opens fetch it again)."""
+        task_status.started()
+        while True:
+            await trio.sleep(1.0)
+            budget = self.scrub_bytes_s
+            for digest in list(self._verified):
+                if budget <= 0:
+                    break
+                budget -= await self._scrub_one(digest)
+
+    async def _scrub_one(self, digest: str) -> int:
+        path = self.disk.layout.block_path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._verified.discard(digest)          # evicted meanwhile
+            return 0
+        try:
+            header = fmt.exact_header(fd)
+            if header is None:
+                return 0
+            await in_thread(self._verify, fd, header, os.pread, limiter=self._limiter)
+            return header.data_len
+        except (CorruptBlock, OSError) as exc:
+            self._verified.discard(digest)
+            self.metrics.scrub_files.labels("corrupt").inc()
+            self.disk.drop_corrupt(digest, exc if isinstance(exc, CorruptBlock) else CorruptBlock(str(exc)))
+            return 0
+        finally:
+            os.close(fd)
+
+    # -- plumbing --
+
+    def _open(self, key: BlockKey, size: int) -> tuple[int, fmt.BlockHeader] | None:
+        if not self.enabled:
+            return None
+        got = self.disk.exact_file(key)
+        if got is not None and got[1].data_len != size:
+            os.close(got[0])
+            return None
+        return got
+
+    def _verify(self, fd: int, header: fmt.BlockHeader, pread) -> None:
+        data = pread(fd, header.data_len, 0)
+        if len(data) != header.data_len:
+            raise CorruptBlock(f"truncated: {len(data)} of {header.data_len} bytes")
+        header.verify(0, memoryview(data))
+        self.metrics.scrub_files.labels("ok").inc()
+
+    def _hold(self, fd: int, header: fmt.BlockHeader, key: BlockKey, size: int) -> ExactFile:
+        digest = key.digest()
+        if digest not in self._held:
+            self.disk.hold([digest])
+        self._held[digest] = self._held.get(digest, 0) + 1
+        return ExactFile(fd, key, size)

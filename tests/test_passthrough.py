@@ -1,0 +1,144 @@
+"""FUSE passthrough from the disk tier, on real mounts against the S3 test server: a whole small
+object cached as an exact file is read by the kernel itself (no READ reaches the daemon), only
+after it was verified in this daemon's life; a corrupted cache file is never handed over (0 wrong
+bytes); mounts where it cannot apply say why; a handed-over file stays readable while open."""
+
+import os
+import random
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mounts import put_tree
+
+from cachefs.demo.local_s3 import free_port, s3_client
+from cachefs.tiers.disk import format as fmt
+
+pytestmark = pytest.mark.fuse
+
+FILES = {f"c{i % 3}/f{i:03d}.jpg": random.Random(i).randbytes(1000 + 997 * i) for i in range(40)}
+
+
+def metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("cachefs_")}
+
+
+def reads(m: dict) -> float:
+    return m.get('cachefs_fuse_operations_total{op="read"}', 0.0)
+
+
+@pytest.fixture
+def dataset(s3_server, bucket):
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "ds", FILES)
+    return f"s3://{bucket}/ds", ("--endpoint-url", s3_server.endpoint_url)
+
+
+def mount(mount_factory, url, args, port, *extra):
+    return mount_factory(url, *args, "--metrics-port", str(port), *extra).start()
+
+
+def read_all(root: Path) -> dict[str, bytes]:
+    return {p: (root / p).read_bytes() for p in FILES}
+
+
+def exact_files(cache_dir: Path) -> list[Path]:
+    found = []
+    for path in (cache_dir / "blocks").rglob("*"):
+        if path.is_file():
+            try:
+                os.getxattr(path, fmt.XATTR)
+                found.append(path)
+            except OSError:
+                pass
+    return found
+
+
+def test_cached_small_files_are_read_by_the_kernel_with_no_read_request(dataset, mount_factory):
+    url, args = dataset
+    port = free_port()
+    mnt = mount(mount_factory, url, args, port, "--immutable")
+    assert read_all(mnt.path) == FILES                     # cold: fetched, cached as exact files
+    mnt.umount()
+    assert len(exact_files(mnt.cache_dir)) == len(FILES)
+    mnt.start()
+    before = metrics(port)
+    assert read_all(mnt.path) == FILES                     # every open handed over to the kernel
+    after = metrics(port)
+    assert after["cachefs_passthrough_opens_total"] - before.get("cachefs_passthrough_opens_total", 0) == len(FILES)
+    assert reads(after) == reads(before)                   # not one READ reached the daemon
+    assert after['cachefs_scrub_files_total{result="ok"}'] >= len(FILES)      # verified before the hand-over
+    with open(mnt / "c0/f000.jpg", "rb") as one, open(mnt / "c0/f000.jpg", "rb") as two:   # one backing, shared
+        assert one.read() == two.read() == FILES["c0/f000.jpg"]
+    assert reads(metrics(port)) == reads(before)
+
+
+@pytest.mark.allow_warnings          # the dropped cache files are logged
+def test_corrupt_cache_files_are_never_handed_over(dataset, mount_factory):
+    url, args = dataset
+    port = free_port()
+    mnt = mount(mount_factory, url, args, port, "--immutable")
+    read_all(mnt.path)
+    mnt.umount()
+    damaged = exact_files(mnt.cache_dir)[:8]
+    for i, path in enumerate(damaged):       # a flipped byte, a truncation, a lost or garbled header
+        if i % 4 == 0:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+            os.setxattr(path, fmt.XATTR, os.getxattr(path, fmt.XATTR))   # write_bytes kept it; be sure
+        elif i % 4 == 1:
+            os.truncate(path, path.stat().st_size - 1)
+        elif i % 4 == 2:
+            os.removexattr(path, fmt.XATTR)
+        else:
+            os.setxattr(path, fmt.XATTR, b"garbage")
+    mnt.start()
+    assert read_all(mnt.path) == FILES                     # 0 wrong bytes
+    m = metrics(port)
+    assert m["cachefs_passthrough_opens_total"] <= len(FILES) - len(damaged)
+    assert m['cachefs_scrub_files_total{result="corrupt"}'] + m.get("cachefs_corrupt_blocks_total", 0) >= 2
+    mnt.umount()
+    mnt.start()                                            # the damaged ones were fetched again, intact
+    assert read_all(mnt.path) == FILES
+
+
+@pytest.mark.parametrize("flags, reason", [((), "mutable"), (("--immutable", "--passthrough", "off"), "off"),
+                                           (("--immutable", "--fuse-backend", "pyfuse3"), "off")])
+def test_mounts_that_cannot_pass_through_say_why_and_read_through_the_daemon(dataset, mount_factory, flags,
+                                                                            reason):
+    url, args = dataset
+    port = free_port()
+    mnt = mount(mount_factory, url, args, port, *flags)
+    read_all(mnt.path)
+    mnt.umount()
+    mnt.start()
+    before = metrics(port)
+    assert read_all(mnt.path) == FILES
+    m = metrics(port)
+    assert m.get("cachefs_passthrough_opens_total", 0) == 0
+    assert m[f'cachefs_passthrough_fallbacks_total{{reason="{reason}"}}'] == 1
+    hits = 'cachefs_tier_hits_total{tier="disk"}'
+    assert m[hits] - before.get(hits, 0) >= len(FILES)      # the daemon read every file from the disk tier
+
+
+def test_a_handed_over_file_stays_readable_while_others_evict_around_it(dataset, mount_factory, s3_server, bucket):
+    """A cache just big enough for a few files: the handed-over file's block is held while the
+    kernel reads it, and the tier still never holds more than its size."""
+    big = {f"big/{i}.bin": random.Random(100 + i).randbytes(200_000) for i in range(12)}
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "ds", big)
+    url, args = dataset
+    port = free_port()
+    mnt = mount(mount_factory, url, args, port, "--immutable", "--cache-size", "1M", "--free-space-ratio", "0")
+    assert (mnt / "c0/f000.jpg").read_bytes() == FILES["c0/f000.jpg"]
+    mnt.umount()
+    mnt.start()
+    with open(mnt / "c0/f000.jpg", "rb") as held:
+        assert metrics(port)["cachefs_passthrough_opens_total"] == 1
+        for name, data in big.items():                      # 2.4 MB through a 1 MiB tier
+            assert (mnt / name).read_bytes() == data
+        assert held.read() == FILES["c0/f000.jpg"]
+        status = mnt.status()["tiers"]["disk"]
+        assert status["used_bytes"] <= 1 << 20, status
+    assert (mnt / "c0/f000.jpg").read_bytes() == FILES["c0/f000.jpg"]
