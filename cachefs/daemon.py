@@ -101,7 +101,7 @@ class Daemon:
         # packed mounts: local loaders read the cache files (cachefs.data)
         self.cache_fds = CacheFds(cfg.cache_dir, self.packed, self.tiers) if self.packed is not None else None
         self.ops = Operations(self.vfs, self.control, metrics, self.fuse.kernel, uid=uid, gid=gid,
-                              file_mode=cfg.file_mode,
+                              idle_backing_bytes=cfg.cache_size // 4, file_mode=cfg.file_mode,
                               dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
 
     def status(self) -> dict:

@@ -106,9 +106,12 @@ def _describe(ops: "Operations", args: tuple) -> str:
 
 class Operations:
     def __init__(self, vfs: Vfs, control: Control, metrics: Metrics, kernel, *, uid: int, gid: int,
-                 file_mode: int, dir_mode: int, metadata_ttl: float, immutable: bool) -> None:
+                 file_mode: int, dir_mode: int, metadata_ttl: float, immutable: bool,
+                 idle_backing_bytes: int = 4 << 30) -> None:
         self.kernel = kernel          # the FUSE layer: notify_store, and passthrough (backing_open/close)
-        self.backings = Backings(self._close_backing)
+        # backing files kept past their last release (a hot epoch reopens them): a quarter of the
+        # disk tier at most, since they are held from eviction
+        self.backings = Backings(self._close_backing, max_idle_bytes=idle_backing_bytes)
         self.vfs = vfs
         self.control = control
         self.metrics = metrics

@@ -31,10 +31,12 @@ log = logging.getLogger(__name__)
 def check_fuse() -> None:
     if not os.path.exists("/dev/fuse"):
         raise FuseUnavailable("/dev/fuse is missing: load the fuse module or pass the device to the container")
+    if os.getuid() != 0:          # fusermount3 (setuid root) opens the device and mounts for us
+        if shutil.which("fusermount3") is None:
+            raise FuseUnavailable("fusermount3 is missing: install the fuse3 package")
+        return
     if not os.access("/dev/fuse", os.R_OK | os.W_OK):
         raise FuseUnavailable("/dev/fuse is not readable and writable by this user")
-    if os.getuid() != 0 and shutil.which("fusermount3") is None:
-        raise FuseUnavailable("fusermount3 is missing: install the fuse3 package")
 
 
 def check_mountpoint(path: str) -> None:

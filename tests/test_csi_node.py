@@ -306,6 +306,7 @@ def test_non_root_pod_gets_its_fs_group(public_dir, tmp_path, s3_server, bucket)
         pids = drv.daemon_pids()
         drv.stop()
         cleanup_mounts(public_dir)
+        cleanup_mounts(tmp_path)            # the daemon's own mount, in the agent's state dir
         for pid in pids:
             os.kill(pid, 9)
 

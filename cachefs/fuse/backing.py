@@ -27,8 +27,8 @@ class Backing:
 
 
 class Backings:
-    def __init__(self, close: Callable[[Backing], None], *, max_idle: int = 8192,
-                 max_idle_bytes: int = 1 << 30) -> None:
+    def __init__(self, close: Callable[[Backing], None], *, max_idle: int = 65536,
+                 max_idle_bytes: int = 4 << 30) -> None:
         self._close = close                        # closes the id and releases the cache file
         self.max_idle, self.max_idle_bytes = max_idle, max_idle_bytes
         self.by_inode: dict[int, Backing] = {}

@@ -1,0 +1,195 @@
+"""The FUSE session without a kernel: requests written into a SOCK_SEQPACKET socket pair (one
+message per request, as /dev/fuse reads give), answers read back. INIT negotiates only what the
+kernel offers and answers in the layout of its minor; every request gets exactly one answer or
+none (FORGET); an unknown opcode is ENOSYS, a malformed one EINVAL, a handler that raises EIO; an
+INTERRUPT cancels a waiting request (EINTR); the session never dies of a request."""
+
+import errno
+import os
+import socket
+import struct
+
+import pytest
+import trio
+
+from cachefs.fuse import abi
+from cachefs.fuse.session import Session, SessionOptions
+from cachefs.fuse.types import Attr, FileInfo, FuseError
+
+
+def request(opcode: int, unique: int, nodeid: int = 1, body: bytes = b"") -> bytes:
+    return abi.IN_HEADER.pack(abi.IN_HEADER.size + len(body), opcode, unique, nodeid, 0, 0, 1, 0, 0) + body
+
+
+def init(minor: int = 45, flags: int = abi.ASYNC_READ | abi.PASSTHROUGH | abi.MAX_PAGES | abi.INIT_EXT) -> bytes:
+    body = abi.INIT_IN.pack(7, minor, 128 << 10, flags & 0xFFFFFFFF, flags >> 32)
+    return request(abi.INIT, 1, body=body)
+
+
+class Ops:
+    """A tiny filesystem: inode 2 is file "f" (5 bytes); a read of fh 9 waits forever."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[tuple[int, int]] = []
+
+    async def lookup(self, parent, name, ctx):
+        if name != b"f":
+            raise FuseError(errno.ENOENT)
+        return Attr(ino=2, mode=0o100644, size=5, entry_timeout=1.0, attr_timeout=1.0)
+
+    async def getattr(self, inode, ctx):
+        if inode not in (1, 2):
+            raise FuseError(errno.ENOENT)
+        return Attr(ino=inode, mode=0o40755 if inode == 1 else 0o100644, size=5)
+
+    async def open(self, inode, flags, ctx):
+        return FileInfo(fh=7, keep_cache=True)
+
+    async def read(self, fh, offset, size):
+        if fh == 9:
+            await trio.sleep_forever()
+        if fh == 8:
+            raise RuntimeError("a bug in a handler")
+        return b"hello"[offset:offset + size]
+
+    def forget(self, pairs):
+        self.forgotten += pairs
+
+
+class Wire:
+    def __init__(self, kernel: socket.socket) -> None:
+        self.kernel = kernel
+
+    def send(self, data: bytes) -> None:
+        self.kernel.send(data)
+
+    async def answer(self) -> tuple[int, int, bytes]:
+        await trio.lowlevel.wait_readable(self.kernel)
+        data = self.kernel.recv(1 << 20)
+        length, error, unique = abi.OUT_HEADER.unpack_from(data)
+        assert length == len(data)
+        return unique, error, data[abi.OUT_HEADER.size:]
+
+    async def nothing(self) -> bool:
+        with trio.move_on_after(0.2):
+            await trio.lowlevel.wait_readable(self.kernel)
+            return False
+        return True
+
+
+def run(test, options: SessionOptions | None = None) -> None:
+    kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    kernel.setblocking(False)
+    ops = Ops()
+    session = Session(options or SessionOptions(passthrough=True), fd=daemon.fileno())
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.serve, ops)
+            await test(Wire(kernel), session, ops)
+            nursery.cancel_scope.cancel()
+    try:
+        trio.run(main)
+    finally:
+        kernel.close()
+        daemon.close()
+
+
+def test_init_agrees_only_what_the_kernel_offers_and_answers_in_its_layout():
+    async def test(wire, session, ops):
+        wire.send(init(minor=45))
+        unique, error, body = await wire.answer()
+        major, minor, _, flags, max_bg, _, max_write, _, max_pages, _, flags2, depth = abi.INIT_OUT.unpack(body)
+        assert (unique, error, major, minor, max_write, max_pages) == (1, 0, 7, 45, abi.MAX_WRITE, 256)
+        agreed = flags | flags2 << 32
+        assert agreed & abi.PASSTHROUGH and depth == 1 and max_bg == 64
+        assert not agreed & abi.DO_READDIRPLUS              # not offered by this "kernel"
+        assert session.passthrough
+    run(test)
+
+    async def old(wire, session, ops):
+        wire.send(init(minor=26, flags=abi.ASYNC_READ | abi.DO_READDIRPLUS))
+        unique, error, body = await wire.answer()
+        assert error == 0 and len(body) == 64                 # fuse_init_out is 64 bytes since 7.23
+        assert struct.unpack_from("<II", body) == (7, 26) and not session.passthrough
+        flags = struct.unpack_from("<I", body, 12)[0]
+        assert flags & abi.DO_READDIRPLUS and not flags & abi.INIT_EXT
+    run(old)
+
+
+@pytest.mark.allow_warnings
+def test_a_kernel_too_old_is_refused():
+    async def test(wire, session, ops):
+        wire.send(init(minor=22))
+        assert (await wire.answer())[1] == -errno.EPROTO
+    run(test)
+
+
+@pytest.mark.allow_warnings      # the handler that raised is logged with its traceback
+def test_each_request_gets_its_answer_and_errors_are_errnos():
+    async def test(wire, session, ops):
+        wire.send(init())
+        await wire.answer()
+        wire.send(request(abi.LOOKUP, 10, body=b"f\0"))
+        unique, error, body = await wire.answer()
+        assert (unique, error) == (10, 0) and abi.ENTRY_OUT.unpack(body)[0] == 2
+        wire.send(request(abi.LOOKUP, 11, body=b"nope\0"))
+        assert await wire.answer() == (11, -errno.ENOENT, b"")
+        wire.send(request(abi.GETATTR, 12, nodeid=99, body=abi.GETATTR_IN.pack(0, 0, 0)))
+        assert (await wire.answer())[:2] == (12, -errno.ENOENT)              # a bad node id: an errno
+        wire.send(request(abi.READ, 13, body=abi.READ_IN.pack(7, 1, 3, 0, 0, 0, 0)))
+        assert await wire.answer() == (13, 0, b"ell")
+        wire.send(request(abi.READ, 14, body=abi.READ_IN.pack(8, 0, 3, 0, 0, 0, 0)))
+        assert (await wire.answer())[:2] == (14, -errno.EIO)                 # a handler that raised
+        wire.send(request(abi.GETXATTR, 15, body=abi.GETXATTR_IN.pack(0, 0) + b"user.x\0"))
+        assert (await wire.answer())[:2] == (15, -errno.ENOSYS)              # nobody serves it
+        wire.send(request(200, 16))
+        assert (await wire.answer())[:2] == (16, -errno.ENOSYS)              # an unknown opcode
+        wire.send(request(abi.READ, 17, body=b"\1\2"))
+        assert (await wire.answer())[:2] == (17, -errno.EINVAL)              # malformed
+        wire.send(request(abi.FORGET, 0, nodeid=2, body=abi.FORGET_IN.pack(3)))
+        body = abi.BATCH_FORGET_IN.pack(2, 0) + abi.FORGET_ONE.pack(2, 1) + abi.FORGET_ONE.pack(5, 4)
+        wire.send(request(abi.BATCH_FORGET, 0, body=body))
+        assert await wire.nothing()                                          # FORGETs get no answer
+        assert ops.forgotten == [(2, 3), (2, 1), (5, 4)]
+        wire.send(request(abi.OPEN, 18, nodeid=2, body=abi.OPEN_IN.pack(os.O_RDONLY, 0)))
+        unique, error, body = await wire.answer()
+        assert abi.OPEN_OUT.unpack(body) == (7, abi.FOPEN_KEEP_CACHE, 0)
+        wire.send(request(abi.LOOKUP, 19, body=b"f\0"))                      # still serving
+        assert (await wire.answer())[:2] == (19, 0)
+    run(test)
+
+
+def test_an_interrupt_cancels_a_waiting_request_and_a_late_one_is_ignored():
+    async def test(wire, session, ops):
+        wire.send(init())
+        await wire.answer()
+        wire.send(request(abi.READ, 30, body=abi.READ_IN.pack(9, 0, 5, 0, 0, 0, 0)))
+        assert await wire.nothing()                                          # waiting
+        wire.send(request(abi.INTERRUPT, 31, body=abi.INTERRUPT_IN.pack(30)))
+        assert await wire.answer() == (30, -errno.EINTR, b"")
+        wire.send(request(abi.INTERRUPT, 32, body=abi.INTERRUPT_IN.pack(12345)))   # answered long ago
+        assert await wire.nothing()
+    run(test)
+
+
+def test_notifications_are_unsolicited_messages():
+    async def test(wire, session, ops):
+        session.notify_store(2, 0, b"hello")
+        unique, code, body = await wire.answer()
+        assert (unique, code) == (0, abi.NOTIFY_STORE)
+        assert abi.NOTIFY_STORE_OUT.unpack_from(body) == (2, 0, 5, 0) and body.endswith(b"hello")
+        session.notify_inval_entry(1, b"f")
+        unique, code, body = await wire.answer()
+        assert code == abi.NOTIFY_INVAL_ENTRY and body.endswith(b"f\0")
+    run(test)
+
+
+@pytest.mark.parametrize("minor", [31, 36, 40, 45])
+def test_every_minor_from_7_31_is_answered(minor):
+    async def test(wire, session, ops):
+        wire.send(init(minor=minor, flags=abi.ASYNC_READ | abi.INIT_EXT | (abi.PASSTHROUGH if minor >= 40 else 0)))
+        unique, error, body = await wire.answer()
+        assert error == 0 and struct.unpack_from("<II", body) == (7, minor)
+        assert session.passthrough == (minor >= 40)
+    run(test)
