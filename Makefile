@@ -24,7 +24,7 @@ test: lint
 	CACHEFS_FUSE_BACKEND=pyfuse3 $(VENV)/bin/pytest -q -ra $(PYFUSE3_TESTS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check $(wildcard cachefs warmup packer csi tests benchmarks)
+	$(VENV)/bin/ruff check $(wildcard cachefs warmup packer csi tests benchmarks testing)
 
 bench: $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,bench]'

@@ -1,7 +1,7 @@
 """The read benchmark: cachefs epochs beside local disk and boto3, in one run.
 
 An ImageNet-like dataset (benchmarks/dataset.py) goes into a local S3 server
-behind a latency-injecting proxy (benchmarks/latency_proxy.py, default 10 ms
+behind a latency-injecting proxy (testing/latency_proxy.py, default 10 ms
 per request). Then, with ``--readers`` parallel readers in one shuffled order:
 
   small files   cold     cachefs, empty cache          vs boto3 GETs, same threads, via the proxy
@@ -91,7 +91,7 @@ def resolve_server(choice: str) -> str:
 
 
 def use_local_credentials() -> None:
-    from cachefs.demo.local_s3 import local_credentials_env
+    from testing.s3 import local_credentials_env
     for name, value in {**local_credentials_env(), "AWS_EC2_METADATA_DISABLED": "true"}.items():
         os.environ.setdefault(name, value)
 

@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def proxy_main(upstream: str, latency_ms: float, fraction: float, delay_ms: float, seed: int) -> None:
     """Serve the proxy until stdin closes; print its endpoint first, its stats last (JSON)."""
-    from benchmarks.latency_proxy import LatencyProxy, parse_hostport
+    from testing.latency_proxy import LatencyProxy, parse_hostport
     host, port = parse_hostport(upstream)
     with LatencyProxy(host, port, latency=latency_ms / 1000, seed=seed) as proxy:
         proxy.stragglers(fraction, delay_ms / 1000)

@@ -38,7 +38,7 @@ from boto3.s3.transfer import TransferConfig
 from benchmarks.cachefs_mount import cachefs_command
 from benchmarks.s3_servers import ProxyProcess, find_binary, start_server
 from cachefs.config import parse_size
-from cachefs.demo.local_s3 import local_credentials_env, make_bucket, s3_client
+from testing.s3 import local_credentials_env, make_bucket, s3_client
 
 CHUNK = 8 << 20
 

@@ -592,7 +592,7 @@ def run(endpoint_url: str, bucket: str, workdir: Path, *, trials: int, variant: 
         max_blocks: int = 256, run_for: tuple[float, float] = (0.5, 2.5),
         metadata_ttl: float = 0.0) -> tuple[dict, list[str]]:
     """Run ``trials`` kill trials of ``variant``; return (figures, problems)."""
-    from cachefs.demo.local_s3 import s3_client
+    from testing.s3 import s3_client
     client = s3_client(endpoint_url)
     for path, data in SEED_FILES.items():
         client.put_object(Bucket=bucket, Key=f"{PREFIX}/{path}", Body=data)
@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket")
     parser.add_argument("--workdir")
     args = parser.parse_args(argv)
-    from cachefs.demo.local_s3 import LocalS3Server, local_credentials_env, make_bucket
+    from testing.s3 import LocalS3Server, local_credentials_env, make_bucket
     for name, value in local_credentials_env().items():
         os.environ.setdefault(name, value)
     with contextlib.ExitStack() as stack:

@@ -166,7 +166,7 @@ def sample(pid: int) -> tuple[int, int]:
 
 def run(args, workdir: Path) -> dict:
     from benchmarks.cachefs_mount import CachefsMount
-    from cachefs.demo.local_s3 import LocalS3Server, local_credentials_env, make_bucket, s3_client
+    from testing.s3 import LocalS3Server, local_credentials_env, make_bucket, s3_client
     for name, value in local_credentials_env().items():
         os.environ.setdefault(name, value)
     with LocalS3Server() as server:

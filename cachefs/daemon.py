@@ -30,6 +30,7 @@ from cachefs.namespace.listahead import ListAhead
 from cachefs.namespace.packed import PackedView, open_packed
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
+from cachefs.ports import Port
 from cachefs.store import ObjectStore, open_store
 from cachefs.tiers.cache import Tiers
 from cachefs.tiers.disk import DiskTier
@@ -68,29 +69,36 @@ class Daemon:
                              direct_io=cfg.cache_direct_io, exact_files=no_passthrough is None,
                              max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20))
         self.memory = MemoryTier(cfg.mem_cache_size, metrics)
+        # The calls upward (cachefs/ports.py), wired here and nowhere else: who makes each, who answers.
+        first_read = Port("first_read")     # Tiers -> Warmer's dataset watch (--prefetch-dataset)
+        fetched = Port("fetched")           # Tiers -> PackedView's record check
+        shard_read = Port("shard_read")     # PackedView -> Warmer's shard warm (--shard-warm)
+        retired = Port("retired")           # Writeback -> Vfs (a staged file reached the store)
+        barrier = Port("barrier")           # Writeback -> Vfs's listing snapshot (rows durable first)
         # max_prefetches keeps the --max-prefetches option's old name; it bounds readahead GETs
         self.tiers = Tiers(store, self.memory, self.disk, metrics,
                            block_size=cfg.block_size_for(packed is not None),
                            readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
                            max_readaheads=cfg.max_prefetches, hedger=Hedger(HedgePolicy(
                                cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay), metrics),
-                           readahead_at_lookup=cfg.readahead_at_lookup)
+                           readahead_at_lookup=cfg.readahead_at_lookup, first_read=first_read, fetched=fetched)
         # a packed dataset (cachefs pack): its index is the listing; read-only, immutable while mounted
-        self.packed = PackedView(store, *packed, self.tiers, metrics) if packed is not None else None
+        self.packed = (PackedView(store, *packed, self.tiers, metrics, fetched=fetched, shard_read=shard_read)
+                       if packed is not None else None)
         immutable = cfg.immutable or self.packed is not None
         try:
             snapshot = ListingSnapshot(cfg.cache_dir, store.identity) if self.packed is None else None
         except (OSError, sqlite3.Error) as exc:
             raise CacheDirError(f"cache dir {cfg.cache_dir}: cannot write the listing snapshot ({exc})") from None
-        self.writeback: Writeback | None = (_writeback(cfg, store, metrics)
+        self.writeback: Writeback | None = (_writeback(cfg, store, metrics, retired, barrier)
                                             if cfg.writable and self.packed is None else None)
         self.vfs = Vfs(store, self.tiers, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=immutable,
                        writeback=self.writeback, fsync_remote=cfg.fsync == "remote", source=self.packed,
-                       packed=self.packed)
+                       packed=self.packed, retired=retired, barrier=barrier)
         self.warmer = Warmer(self.vfs, self.tiers, store, metrics,
                              max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
                              dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget,
-                             shard_warm=cfg.shard_warm)
+                             shard_warm=cfg.shard_warm, first_read=first_read, shard_read=shard_read)
         uid = os.getuid() if cfg.uid is None else cfg.uid
         gid = os.getgid() if cfg.gid is None else cfg.gid
         commands = command_table(self.status, self.warmer.commands(),
@@ -171,7 +179,7 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
         lock.close()
 
 
-def _writeback(cfg: MountConfig, store: ObjectStore, metrics: Metrics) -> Writeback:
+def _writeback(cfg: MountConfig, store: ObjectStore, metrics: Metrics, retired: Port, barrier: Port) -> Writeback:
     """The write-back engine of a writable mount (its journal under ``cfg.staging_path``)."""
     try:
         journal = Journal(cfg.staging_path)
@@ -179,7 +187,8 @@ def _writeback(cfg: MountConfig, store: ObjectStore, metrics: Metrics) -> Writeb
         raise CacheDirError(f"staging dir {cfg.staging_path}: {exc.strerror}") from None
     return Writeback(store, journal, SyncPolicy.from_config(cfg), metrics, staging_size=cfg.staging_size,
                      staging_wait=cfg.staging_wait, part_size=cfg.upload_part_size,
-                     upload_concurrency=cfg.upload_concurrency, log_concurrency=cfg.log_upload_concurrency)
+                     upload_concurrency=cfg.upload_concurrency, log_concurrency=cfg.log_upload_concurrency,
+                     retired=retired, barrier=barrier)
 
 
 def check_store(store: ObjectStore, cfg: MountConfig) -> None:

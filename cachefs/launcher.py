@@ -183,6 +183,28 @@ def drain_writes(mountpoint: str, timeout: float) -> None:
                        f"now and upload them at the next mount of this cache dir")
 
 
+# ---- warm ----------------------------------------------------------------------------------------
+def warm(mountpoint: str, paths: list[str], *, detach: bool = False, concurrency: int = 32) -> dict | None:
+    """Have the daemon at ``mountpoint`` warm ``paths`` (relative to the mount root) into its disk
+    tier; its final report (``state``: done, refused, failed, cancelled; counts), or None when
+    ``detach`` (it goes on in the daemon). Raises NoDaemon, PermissionDenied, Unsupported (the
+    control channel's typed errors) or CachefsError when the daemon gives no report."""
+    from cachefs.control.client import request
+
+    clean = [p.strip("/") for p in paths]
+    payload = {"label": ", ".join(clean) or "/", "paths": clean, "globs": [], "concurrency": concurrency,
+               "force": False, "pin": False, "detach": detach, "bandwidth_limit": None}
+    final = None
+    for reply in request(mountpoint, "warmup", **payload):
+        if reply.get("event") == "done":
+            final = reply
+    if detach:
+        return None
+    if final is None:
+        raise CachefsError(f"the daemon of {mountpoint} ended the warmup without a report")
+    return final
+
+
 def unmount(mountpoint: str, *, lazy: bool = False) -> None:
     """fusermount3 -u (-z); MountpointError with fusermount's reason when it refuses."""
     command = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from cachefs.demo.local_s3 import free_port
+from testing.s3 import free_port
 
 # util-linux's setpriv sets PR_SET_PDEATHSIG and execs the daemon (same PID): the kernel
 # SIGKILLs it when the test process dies. KILL, not TERM: an OSD whose mon is already gone

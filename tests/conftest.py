@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from cachefs.demo.local_s3 import LocalS3Server, local_credentials_env, make_bucket
+from testing.s3 import LocalS3Server, local_credentials_env, make_bucket
 
 for _name, _value in {**local_credentials_env(), "AWS_EC2_METADATA_DISABLED": "true"}.items():
     os.environ.setdefault(_name, _value)

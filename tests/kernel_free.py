@@ -16,6 +16,7 @@ from test_block_cache import CountingStore, make_cache
 from cachefs.errors import CachefsError
 from cachefs.metrics import Metrics
 from cachefs.namespace.vfs import ROOT_INODE, FsError, Node, Vfs, join, split
+from cachefs.ports import Port
 from cachefs.store import ObjectStore
 from cachefs.writeback.engine import Writeback
 from cachefs.writeback.journal import Journal
@@ -31,11 +32,13 @@ def make_stack(store: ObjectStore, staging: str, *, policy: SyncPolicy | None = 
                staging_size: int = 1 << 30, staging_wait: float = 1.0, part_size: int = 5 << 20,
                fsync_remote: bool = False, ttl: float = 60.0) -> tuple[Vfs, Writeback]:
     metrics = metrics or Metrics()
+    retired, barrier = Port("retired"), Port("barrier")     # wired as daemon.py wires them
     wb = Writeback(store, Journal(staging, fsync=False), policy or make_policy(), metrics,
                    staging_size=staging_size, staging_wait=staging_wait, part_size=part_size,
-                   upload_concurrency=4, log_concurrency=2)
+                   upload_concurrency=4, log_concurrency=2, retired=retired, barrier=barrier)
     blocks = make_cache(store, metrics)    # the read path, as its own tests build it
-    vfs = Vfs(store, blocks, None, metadata_ttl=ttl, immutable=False, writeback=wb, fsync_remote=fsync_remote)
+    vfs = Vfs(store, blocks, None, metadata_ttl=ttl, immutable=False, writeback=wb, fsync_remote=fsync_remote,
+              retired=retired, barrier=barrier)
     return vfs, wb
 
 

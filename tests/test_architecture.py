@@ -2,6 +2,7 @@
 the packages beside it, control clients load only the protocol, no module grows past ~600 lines."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,115 @@ def test_the_daemon_loads_no_packer_dependencies():
             "print(sorted(m for m in ('pyarrow', 'numpy', 'crc32c') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_room_assigns_another_rooms_hook():
+    """Calls upward go through Ports (cachefs/ports.py) that constructors take as arguments and
+    daemon.py wires: no module sets an ``on_*`` attribute of an object other than itself, and
+    ports are created only where they are wired (daemon.py) or as a constructor's default."""
+    offenders = []
+    for base in ("cachefs", *BESIDE):
+        for path in (ROOT / base).rglob("*.py"):
+            if "_proto" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                    node, (ast.AnnAssign, ast.AugAssign)) else []
+                for target in targets:
+                    if (isinstance(target, ast.Attribute) and target.attr.startswith("on_")
+                            and not (isinstance(target.value, ast.Name) and target.value.id == "self")):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Port"
+                        and path.name != "daemon.py" and _enclosing_function(path, node.lineno) != "__init__"):
+                    # a Port is made where it is wired, or as a constructor's default for tests
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} Port() outside the wiring")
+    assert offenders == []
+
+
+def _enclosing_function(path: Path, lineno: int) -> str | None:
+    best = None
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= lineno <= node.end_lineno
+                and (best is None or node.lineno > best.lineno)):
+            best = node
+    return best.name if best is not None else None
+
+
+# ---- docs/architecture.md's table of packages says what their code reads ------------------------
+
+BASICS = {"errors", "config", "metrics", "ports", "sched", "singleflight", "host", "extras", "__init__", "__main__"}
+
+
+def _doc_rows() -> list[tuple[list[str], list[str] | None]]:
+    """(paths, names read) for each row of the table; None: 'every core package'."""
+    rows = []
+    for line in (ROOT / "docs/architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) != 3 or not cells[0].startswith("`cachefs/"):
+            continue
+        paths = [p.strip("`").rstrip("/") for p in cells[0].split(", ")]
+        reads = None if "every core package" in cells[2] else [
+            name for name in re.findall(r"`([a-z_.]+)`", cells[2])]
+        rows.append((paths, reads))
+    return rows
+
+
+def _row_files(paths: list[str]) -> list[Path]:
+    files = []
+    for p in paths:
+        target = ROOT / p
+        files += sorted(target.rglob("*.py")) if target.is_dir() else [target]
+    return files
+
+
+def _core_reads(files: list[Path], own: set[str]) -> set[str]:
+    """The core packages and modules (cachefs.X, or cachefs.X.Y for the packages' faces) these
+    files import, outside their own and the basics."""
+    modules = core_modules()
+    found = set()
+    for path in files:
+        for name in imports_of(path, top_level_only=False):
+            target = resolve(name, modules)
+            if target is None or not target.startswith("cachefs."):
+                continue
+            top = target.split(".")[1]
+            if top in BASICS or any(target == o or target.startswith(o + ".") for o in own):
+                continue
+            found.add(target)
+    return found
+
+
+def test_the_architecture_tables_paths_are_the_real_ones():
+    rows = _doc_rows()
+    listed = {p for paths, _ in rows for p in paths}
+    for path in listed:
+        assert (ROOT / path).exists(), f"docs/architecture.md names {path}, which does not exist"
+    tops = {p.name.removesuffix(".py") for p in CORE.iterdir() if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    missing = {t for t in tops - BASICS - {"demo"} if not any(p.split("/")[1].removesuffix(".py") == t for p in listed)}
+    assert missing == set(), f"core modules missing from docs/architecture.md: {sorted(missing)}"
+
+
+def test_the_architecture_table_says_what_each_package_reads():
+    wrong = []
+    for paths, reads in _doc_rows():
+        if reads is None:
+            continue
+        own = {p.removesuffix(".py").replace("/", ".") for p in paths}
+        actual = _core_reads(_row_files(paths), own)
+        base = paths[0].removesuffix(".py").replace("/", ".")
+        said = set()
+        for name in reads:
+            if name.split(".")[0] in BASICS:
+                continue
+            for candidate in (f"cachefs.{name}", f"{base}.{name}"):
+                if candidate in core_modules() or any(m.startswith(candidate + ".") for m in core_modules()):
+                    said.add(candidate)
+                    break
+            else:
+                wrong.append(f"{paths[0]}: names {name!r}, which is no core module")
+        unsaid = {a for a in actual if not any(a == s or a.startswith(s + ".") for s in said)}
+        unread = {s for s in said if not any(a == s or a.startswith(s + ".") for a in actual)
+                  and not any(s == o or s.startswith(o + ".") for o in own)}
+        if unsaid or unread:
+            wrong.append(f"{paths[0]}: reads {sorted(unsaid)} not listed; lists {sorted(unread)} not read")
+    assert wrong == []

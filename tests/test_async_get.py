@@ -21,11 +21,11 @@ import pytest
 import trio
 from mounts import wait_for
 
-from cachefs.demo.local_s3 import s3_client
 from cachefs.errors import BadResponse, NoSuchKey, Unreachable, VersionChanged
 from cachefs.metrics import Metrics
 from cachefs.store.s3.http import AsyncGetter
 from cachefs.store.s3.store import S3Options, S3Store
+from testing.s3 import s3_client
 
 BODY = bytes(range(256)) * 700       # 179,200 bytes: several receives
 
@@ -471,7 +471,7 @@ def test_https_endpoint_verified_by_aws_ca_bundle(scripted, tmp_path, monkeypatc
 
 
 def test_nothing_listening_is_unreachable_after_the_retries():
-    from cachefs.demo.local_s3 import free_port
+    from testing.s3 import free_port
     metrics = Metrics()
     store = S3Store("bkt", "", metrics=metrics,
                     options=S3Options(endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=2,

@@ -16,9 +16,9 @@ from botocore.config import Config
 from benchmarks import bench_packed, packed_rows, readers
 from benchmarks.cachefs_mount import CachefsMount
 from benchmarks.dataset import Entry
-from benchmarks.latency_proxy import LatencyProxy
 from cachefs.data import PackedIterableDataset
-from cachefs.demo.local_s3 import make_bucket
+from testing.latency_proxy import LatencyProxy
+from testing.s3 import make_bucket
 
 MiB = 1 << 20
 

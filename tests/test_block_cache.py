@@ -390,8 +390,8 @@ def test_read_spanning_three_blocks_then_memory_then_disk_tier(bucket_mem, tmp_p
     trio.run(main)
 
 
-def test_every_block_from_the_store_is_shown_to_on_fetched_and_memory_parts_are_views(bucket_mem, tmp_path):
-    """``Tiers.on_fetched`` sees each block a GET brings (a read's, a warm's), once, at its offset:
+def test_every_block_from_the_store_is_shown_to_the_fetched_port_and_memory_parts_are_views(bucket_mem, tmp_path):
+    """The ``fetched`` port sees each block a GET brings (a read's, a warm's), once, at its offset:
     the packed view checks its records there. A part of a memory-tier block is a view of it."""
     data, store, f = bucket_mem.one_file(blob(5, 3 * BS))
     metrics = Metrics()
@@ -401,7 +401,7 @@ def test_every_block_from_the_store_is_shown_to_on_fetched_and_memory_parts_are_
     async def main():
         async with serving(disk):
             cache = make_cache(store, metrics, disk)
-            cache.on_fetched = lambda fv, offset, got: seen.append((fv, offset, bytes(got)))
+            cache.fetched.connect(lambda fv, offset, got: seen.append((fv, offset, bytes(got))))
             assert await cache.read(f, 10, 100) == data[10:110]
             assert await cache.warm(f, 2, trio.CapacityLimiter(1)) == (BS, True)
             part = await cache.read(f, 20, 30)                           # a memory hit: no GET

@@ -16,10 +16,10 @@ from mounts import cachefs
 from cachefs import host
 from cachefs.cli import main
 from cachefs.config import parse_endpoint
-from cachefs.demo.local_s3 import free_port, s3_client
 from cachefs.errors import EXIT_CODES, ConfigError, ExitCode, FuseUnavailable
 from cachefs.host import find_mount
 from cachefs.launcher import process_alive
+from testing.s3 import free_port, s3_client
 
 pytestmark = pytest.mark.fuse
 

@@ -9,8 +9,8 @@ import pytest
 from mounts import CACHEFS, cachefs, put_tree
 
 from cachefs.control.client import hello, request
-from cachefs.demo.local_s3 import s3_client
 from cachefs.errors import ExitCode, Unsupported, UsageError
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

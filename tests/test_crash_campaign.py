@@ -12,7 +12,7 @@ from mounts import cachefs
 
 from benchmarks.crash_campaign import check_bucket, content_problem, log_record, read_acks, run
 from benchmarks.crash_campaign import checkpoint_bytes as ckpt
-from cachefs.demo.local_s3 import s3_client
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

@@ -13,9 +13,9 @@ import pytest
 from mounts import put_tree
 from test_csi_fixtures import SECRETS, capability, driver, mounted_under, static_context, wait_for  # noqa: F401
 
-from cachefs.demo.local_s3 import s3_client
 from csi.agent.state import volume_key
 from csi.proto import pb
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 FILES = {"sub/a.bin": os.urandom(5000), "sub/b.bin": os.urandom(7000), "c.txt": b"c"}

@@ -14,10 +14,10 @@ import grpc
 import pytest
 from mounts import require_fuse
 
-from cachefs.demo.local_s3 import local_credentials_env
 from cachefs.host import mounts
 from cachefs.launcher import process_alive
 from csi.proto import pb, rpc
+from testing.s3 import local_credentials_env
 
 SECRETS = {"accessKeyID": local_credentials_env()["AWS_ACCESS_KEY_ID"],
            "secretAccessKey": local_credentials_env()["AWS_SECRET_ACCESS_KEY"]}

@@ -30,8 +30,8 @@ import pytest
 from mounts import put_tree, require_fuse
 from test_csi_fixtures import SECRETS, Driver, capability, cleanup_mounts, mounted_under, static_context, wait_for
 
-from cachefs.demo.local_s3 import free_port, s3_client
 from csi.proto import pb
+from testing.s3 import free_port, s3_client
 
 pytestmark = pytest.mark.fuse
 

@@ -26,8 +26,8 @@ from test_csi_fixtures import (  # noqa: F401  (fixtures)
     wait_for,
 )
 
-from cachefs.demo.local_s3 import free_port, s3_client
 from csi.proto import pb
+from testing.s3 import free_port, s3_client
 
 pytestmark = pytest.mark.fuse
 CODE = grpc.StatusCode

@@ -13,7 +13,6 @@ import pytest
 
 from cachefs.data import PackedDataset, PackedIterableDataset, consumer_share, epoch_order, shards
 from cachefs.data import dataset as dataset_module
-from cachefs.demo.local_s3 import s3_client
 from cachefs.metrics import Metrics
 from cachefs.packfmt import CorruptRecord
 from cachefs.store import open_store
@@ -22,6 +21,7 @@ from packer.merge import merge
 from packer.options import PackOptions
 from packer.progress import Progress
 from packer.stores import to_url
+from testing.s3 import s3_client
 
 
 def content(path: str) -> bytes:

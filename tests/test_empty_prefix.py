@@ -4,8 +4,8 @@ likely typo: refused with exit 3 unless --allow-empty-prefix."""
 import pytest
 from mounts import cachefs
 
-from cachefs.demo.local_s3 import s3_client
 from cachefs.errors import ExitCode
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

@@ -1,5 +1,5 @@
 """Fault campaign: readers on a real mount read a dataset over and over through
-benchmarks/latency_proxy.py while it injects a seeded random schedule of every fault it knows (503
+testing/latency_proxy.py while it injects a seeded random schedule of every fault it knows (503
 SlowDown with Retry-After, 500, resets before and mid-body, stalls before and mid-body, slow first
 byte, truncated bodies, wrong Content-Range) plus server restarts. Every byte read is compared with
 the source. Pass: 0 wrong bytes, reads keep flowing (only EIO, from exhausted retries, may fail a
@@ -22,8 +22,8 @@ from urllib.parse import urlparse
 import pytest
 from mounts import put_tree
 
-from benchmarks.latency_proxy import FAULT_KINDS, LatencyProxy
-from cachefs.demo.local_s3 import s3_client
+from testing.latency_proxy import FAULT_KINDS, LatencyProxy
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mounts import put_tree
 
-from cachefs.demo.local_s3 import s3_client
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

@@ -287,7 +287,7 @@ def test_mount_on_a_corrupted_cache_dir_starts_and_keeps_staged_data(s3_server, 
                                                                       corruption):
     from mounts import cachefs
 
-    from cachefs.demo.local_s3 import s3_client
+    from testing.s3 import s3_client
     cache = staged_cache(tmp_path)
     CORRUPTIONS[corruption](cache)
     mnt = mount_factory(f"s3://{bucket}/out", "--endpoint-url", s3_server.endpoint_url, cache_dir=cache)

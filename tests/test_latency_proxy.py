@@ -1,4 +1,4 @@
-"""benchmarks/latency_proxy.py against a real moto server: latency, bandwidth, faults, CLI.
+"""testing/latency_proxy.py against a real moto server: latency, bandwidth, faults, CLI.
 
 Timing assertions are lower bounds (an emulated delay can only add time), except
 the pipelining test, whose upper bound is many times the expected duration.
@@ -16,13 +16,13 @@ import botocore.exceptions
 import pytest
 from botocore.config import Config
 
-from benchmarks.latency_proxy import (
+from testing.latency_proxy import (
     LatencyProxy,
     error_response,
     is_final_response,
     is_request_start,
 )
-from cachefs.demo.local_s3 import LocalS3Server, local_credentials_env, make_bucket
+from testing.s3 import LocalS3Server, local_credentials_env, make_bucket
 from tests.mounts import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,7 +192,7 @@ def test_fail_next_rejects_unknown_kinds(proxy):
 def test_cli_prints_its_port_and_proxies(moto):
     server, bucket = moto
     upstream = server.endpoint_url.split("://", 1)[1]
-    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "latency_proxy.py"),
+    proc = subprocess.Popen([sys.executable, str(REPO / "testing" / "latency_proxy.py"),
                              "--upstream", upstream, "--listen", "127.0.0.1:0", "--latency-ms", "10"],
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -365,7 +365,7 @@ def test_splice_refuses_a_bandwidth_cap(moto):
 def test_cli_splice(moto):
     server, bucket = moto
     upstream = server.endpoint_url.split("://", 1)[1]
-    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "latency_proxy.py"), "--upstream", upstream,
+    proc = subprocess.Popen([sys.executable, str(REPO / "testing" / "latency_proxy.py"), "--upstream", upstream,
                              "--latency-ms", "10", "--splice"], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline().strip().removeprefix("port="))

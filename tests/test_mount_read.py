@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mounts import put_tree, wait_for
 
-from cachefs.demo.local_s3 import s3_client
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 
@@ -270,7 +270,7 @@ def test_status_command_human_and_json(loaded, mount_factory):
 def test_small_cold_files_are_fetched_at_open_and_need_no_read(loaded, mount_factory):
     """A small file no tier holds is fetched by its open (one GET) and pushed into the kernel page
     cache: the READ round trip that would carry the GET never happens, and the bytes are right."""
-    from cachefs.demo.local_s3 import free_port
+    from testing.s3 import free_port
     server, bucket, files, _ = loaded
     small = {p: d for p, d in files.items() if p.startswith("train/") and d}
     port = free_port()
@@ -288,7 +288,7 @@ def test_a_lookup_starts_the_get_of_a_small_cold_file(loaded, mount_factory, ena
     """A lookup of a small file no tier holds starts its GET (readahead at lookup): the open that
     follows joins it, so each file still costs one GET and no READ. ``--no-readahead-at-lookup``
     leaves a lookup without GETs (a stat fetches nothing)."""
-    from cachefs.demo.local_s3 import free_port
+    from testing.s3 import free_port
     server, bucket, files, _ = loaded
     small = {p: d for p, d in files.items() if p.startswith("train/") and d}
     port = free_port()
@@ -364,7 +364,7 @@ def test_folders_are_listed_ahead_at_mount(s3_server, bucket, mount_factory, lim
 def test_small_cached_files_are_preloaded_at_open(loaded, mount_factory):
     """A small file on the disk tier is pushed into the kernel page cache at open (notify_store):
     the reader gets the right bytes and the kernel sends no READ request for it."""
-    from cachefs.demo.local_s3 import free_port
+    from testing.s3 import free_port
     server, bucket, files, _ = loaded
     small = {p: d for p, d in files.items() if p.startswith("train/") and d}
     mnt = mount_factory(f"s3://{bucket}/ds", *s3_args(server)).start()

@@ -20,7 +20,7 @@ import pytest
 from mounts import put_tree
 
 from benchmarks.load_soak import abort_fuse_connection, blocked_in_kernel
-from cachefs.demo.local_s3 import s3_client
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

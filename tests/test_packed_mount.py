@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 from mounts import cachefs, is_mounted, put_tree
 
-from benchmarks.latency_proxy import LatencyProxy
 from cachefs.cli import main
 from cachefs.data import PackedDataset, PackedIterableDataset
-from cachefs.demo.local_s3 import s3_client
 from cachefs.packfmt import PackExit
 from cachefs.packfmt.index import SHARDS_SCHEMA, parquet_bytes
+from testing.latency_proxy import LatencyProxy
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 
@@ -309,7 +309,7 @@ def test_the_loader_reads_cached_shards_from_the_daemons_files_not_through_fuse(
     """A daemon on this machine hands the loader its cache files (control/cachefds.py): once the
     shards are on the disk tier, an epoch reads no byte through the mount and sends no GET, even
     with the store gone, and every sample is byte-identical."""
-    from cachefs.demo.local_s3 import free_port
+    from testing.s3 import free_port
     proxy, bucket, client = proxied
     files = make_files()
     packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")

@@ -15,7 +15,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from cachefs.cli import main
-from cachefs.demo.local_s3 import s3_client
 from cachefs.errors import ExitCode, NoSuchKey
 from cachefs.host import vm_hwm
 from cachefs.metrics import Metrics
@@ -29,6 +28,7 @@ from packer.progress import Progress
 from packer.sink import ShardSink
 from packer.source import check_names
 from packer.stores import local_root, to_url
+from testing.s3 import s3_client
 from tests.mounts import interruptible, put_tree
 
 

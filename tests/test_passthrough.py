@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from mounts import put_tree
 
-from cachefs.demo.local_s3 import free_port, s3_client
 from cachefs.tiers.disk import format as fmt
+from testing.s3 import free_port, s3_client
 
 pytestmark = pytest.mark.fuse
 

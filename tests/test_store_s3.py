@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ResponseStreamingError
 
-from cachefs.demo.local_s3 import free_port, s3_client
 from cachefs.errors import AccessDenied, BadResponse, NoSuchBucket, NoSuchKey, StoreError, Unreachable, VersionChanged
 from cachefs.metrics import Metrics
 from cachefs.store.s3.answer import ShortBody
 from cachefs.store.s3.store import S3Options, S3Store, is_temp_failure, map_error
+from testing.s3 import free_port, s3_client
 
 BLOCK = 64 * 1024
 
@@ -455,7 +455,7 @@ def test_connection_and_credential_errors_map():
 
 
 def test_local_server_stops_by_its_own_pid():
-    from cachefs.demo.local_s3 import LocalS3Server
+    from testing.s3 import LocalS3Server
     with LocalS3Server() as server:
         proc = server._proc
         s3_client(server.endpoint_url).list_buckets()

@@ -12,8 +12,8 @@ from urllib.parse import urlparse
 import pytest
 from mounts import CACHEFS, cachefs, interruptible, put_tree
 
-from benchmarks.latency_proxy import LatencyProxy
-from cachefs.demo.local_s3 import s3_client
+from testing.latency_proxy import LatencyProxy
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

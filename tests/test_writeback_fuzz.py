@@ -28,7 +28,7 @@ from hypothesis.stateful import (
 )
 
 from cachefs.control.client import request
-from cachefs.demo.local_s3 import s3_client
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

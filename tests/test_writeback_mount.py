@@ -19,9 +19,9 @@ from urllib.parse import urlparse
 import pytest
 from mounts import cachefs, put_tree
 
-from benchmarks.latency_proxy import LatencyProxy
 from cachefs.control.client import request
-from cachefs.demo.local_s3 import s3_client
+from testing.latency_proxy import LatencyProxy
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

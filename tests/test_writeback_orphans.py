@@ -9,7 +9,7 @@ import time
 import pytest
 from mounts import cachefs
 
-from cachefs.demo.local_s3 import s3_client
+from testing.s3 import s3_client
 
 pytestmark = pytest.mark.fuse
 

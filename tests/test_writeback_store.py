@@ -6,11 +6,11 @@ import random
 import pytest
 from test_block_cache import MemoryBucket
 
-from cachefs.demo.local_s3 import s3_client
 from cachefs.errors import NoSuchKey
 from cachefs.metrics import Metrics
 from cachefs.store.fsspec_store import FsspecStore
 from cachefs.store.s3.store import S3Options, S3Store
+from testing.s3 import s3_client
 
 MIB = 1 << 20
 

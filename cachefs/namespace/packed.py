@@ -23,7 +23,6 @@ import bisect
 import errno
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ from cachefs.namespace.nodes import FsError
 from cachefs.packfmt.errors import CorruptRecord
 from cachefs.packfmt.manifest import FORMAT, MANIFEST, Manifest
 from cachefs.packfmt.store_index import PACKED_DIR
+from cachefs.ports import Port
 from cachefs.store import Listing, ObjectInfo, ObjectStore
 from cachefs.tiers.cache import PRELOAD_MAX, FileVersion, Stream, Tiers
 
@@ -112,7 +112,7 @@ class PackedView:
     """The namespace (a ``DirSource``) and the read path of one packed dataset."""
 
     def __init__(self, store: ObjectStore, manifest: Manifest, index: "PackedIndex", tiers: Tiers,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, *, fetched: Port | None = None, shard_read: Port | None = None) -> None:
         self.store = store
         self.manifest = manifest
         self.index = index
@@ -123,7 +123,8 @@ class PackedView:
         self._shards = [FileVersion(shard_path(s["shard"]), s["etag"], s["bytes"]) for s in shards]
         self._streams: dict[str, Stream] = {}
         self._shard_paths = {f.path for f in self._shards}
-        self.on_shard: Callable[[FileVersion], None] | None = None   # the shard warm (warm/dataset_watch.py)
+        # a shard entered: the shard warm (warm/dataset_watch.py) answers
+        self.shard_read = shard_read if shard_read is not None else Port("shard_read")
         self._asked: dict[str, set[int]] = {}      # per shard: blocks readahead was asked for
         files = index.files     # one chunk each (validated on load): numpy views, no copies
         self._col = {name: files.column(name).to_numpy() for name in
@@ -135,7 +136,8 @@ class PackedView:
         # path order, 5 s shuffled): never in the trio thread
         self._by_shard = index.rows_by_shard()
         self._checked = numpy.zeros(len(index), dtype=bool)
-        tiers.on_fetched = self._check_block
+        if fetched is not None:
+            fetched.connect(self._check_block)      # every block from the store: its records checked
 
     def shard_version(self, number: int) -> FileVersion:
         """The store object of shard ``number`` (its row in the shards table); IndexError if none."""
@@ -186,8 +188,8 @@ class PackedView:
         if offset >= end:
             return b""
         if ref.crc is None:
-            if self.on_shard is not None and ref.file.path in self._shard_paths:
-                self.on_shard(ref.file)       # the native loader reading the shard file itself
+            if self.shard_read and ref.file.path in self._shard_paths:
+                self.shard_read(ref.file)       # the native loader reading the shard file itself
             return await self.tiers.read(ref.file, offset, end - offset, stream)
         if ref.verified:
             return await self._range(ref, offset, end)
@@ -222,8 +224,8 @@ class PackedView:
         path = ref.file.path
         stream = self._streams.get(path)
         if stream is None:
-            if self.on_shard is not None:
-                self.on_shard(ref.file)
+            if self.shard_read:
+                self.shard_read(ref.file)
             self._streams[path] = Stream()
             self._asked[path] = set()
             return self._streams[path]
@@ -258,7 +260,7 @@ class PackedView:
                             f"(refetched once): the shard is corrupt")
 
     def _check_block(self, f: FileVersion, offset: int, data: bytes) -> None:
-        """Tiers.on_fetched: ``data``, at ``offset`` of ``f``, came from the store. If ``f`` is one of
+        """The ``fetched`` port: ``data``, at ``offset`` of ``f``, came from the store. If ``f`` is one of
         our shards, check every record wholly inside it and record which passed (a record that fails
         is checked again when read, and handled there)."""
         shard = self._shard_of.get(f.path)

@@ -24,6 +24,7 @@ from cachefs.namespace.handles import Handle
 from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, FsStats, Node, NodeTable
 from cachefs.namespace.packed import PACKED_DIR, PackedView
 from cachefs.namespace.snapshot import ListingSnapshot, NoSnapshot
+from cachefs.ports import Port
 from cachefs.singleflight import SingleFlight
 from cachefs.store import Listing, ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
@@ -42,7 +43,8 @@ class Vfs(NameChanges):
     def __init__(self, store: ObjectStore, blocks: Tiers, snapshot: ListingSnapshot | None, *,
                  metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None,
                  writeback: Writeback | None = None, fsync_remote: bool = False,
-                 source: DirSource | None = None, packed: PackedView | None = None) -> None:
+                 source: DirSource | None = None, packed: PackedView | None = None,
+                 retired: Port | None = None, barrier: Port | None = None) -> None:
         self.store = store
         self.packed = packed        # a packed dataset's view (namespace/packed.py), also its source
         self.source: DirSource = source if source is not None else store   # what lives under a directory
@@ -51,9 +53,10 @@ class Vfs(NameChanges):
         self._uploaded: dict[str, tuple[ObjectInfo, float]] = {}   # retired lately: for racing listings
         self._saved = snapshot if snapshot is not None else NoSnapshot()   # told of the mount's own changes
         self._replayed = writeback.replayed_dirs if writeback is not None else set()   # relisted once at start
-        if writeback is not None:
-            writeback.on_retired = self._retired
-            writeback.set_barrier(self._saved.sync)     # rows durable before the record covering them goes
+        if retired is not None:
+            retired.connect(self._retired)              # a staged file reached the store
+        if barrier is not None:
+            barrier.connect(self._saved.sync)           # rows durable before the record covering them goes
         self.blocks = blocks
         self.snapshot = snapshot
         self.ttl = metadata_ttl

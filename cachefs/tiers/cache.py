@@ -25,7 +25,7 @@ start at once is dropped and counted, never queued.
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +33,7 @@ import trio
 
 from cachefs.errors import NeedsWait, StoreError
 from cachefs.metrics import Metrics
+from cachefs.ports import Port
 from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectStore
 from cachefs.tiers.disk import DiskTier
@@ -87,7 +88,8 @@ class Stream:
 class Tiers:
     def __init__(self, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
                  block_size: int, readahead_size: int, max_fetches: int, max_readaheads: int,
-                 hedger: Hedger | None = None, readahead_at_lookup: bool = False) -> None:
+                 hedger: Hedger | None = None, readahead_at_lookup: bool = False, first_read: Port | None = None,
+                 fetched: Port | None = None) -> None:
         self.store = store
         self.memory = memory
         self.disk = disk
@@ -101,9 +103,10 @@ class Tiers:
         self._readaheads = 0
         self._flights = SingleFlight(on_join=metrics.singleflight_joins.inc)
         self._nursery: trio.Nursery | None = None
-        self.on_first_read: Callable[[FileVersion], None] | None = None   # the --prefetch-dataset hook
-        # every block that comes from the store, in the trio thread (a packed view checks its records)
-        self.on_fetched: Callable[[FileVersion, int, bytes], None] | None = None
+        # ports (cachefs/ports.py): a file read from its start (the dataset watch), every block that
+        # comes from the store, in the trio thread (a packed view checks its records)
+        self.first_read = first_read if first_read is not None else Port("first_read")
+        self.fetched = fetched if fetched is not None else Port("fetched")
         # Hedged GETs (hedge.py) take their limiter slots themselves: the store gets an unbounded one.
         self._hedger = hedger if hedger is not None and hedger.policy.enabled and cancellable_gets(store) else None
         self._no_limit = trio.CapacityLimiter(math.inf)
@@ -181,8 +184,8 @@ class Tiers:
 
     def _served(self, f: FileVersion, offset: int, end: int, stream: Stream | None, parts: list):
         """What every read does once it has its bytes: the first-read hook, readahead, the count."""
-        if offset == 0 and self.on_first_read is not None:
-            self.on_first_read(f)
+        if offset == 0 and self.first_read:
+            self.first_read(f)
         if stream is not None:
             window = stream.advance(offset, end, self.block_size, self.readahead_size)
             if window:
@@ -282,8 +285,8 @@ class Tiers:
             def call() -> Awaitable[bytes]:
                 return self.store.get_async(f.path, key.offset, end, f.etag, f.size, limiter=self._no_limit)
             data = await self._hedger.get(call, end - key.offset, limiter, busy=self.foreground_waiting)
-        if self.on_fetched is not None:
-            self.on_fetched(f, key.offset, data)
+        if self.fetched:
+            self.fetched(f, key.offset, data)
         return data
 
     def _readahead(self, f: FileVersion, start: int, window: int) -> None:

@@ -35,6 +35,7 @@ import trio
 from cachefs.errors import NoSuchKey, StoreError, UsageError, VersionChanged
 from cachefs.metrics import Metrics, WarmupMetrics
 from cachefs.namespace.vfs import Vfs, dir_prefix, split
+from cachefs.ports import Port
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
 from cachefs.warm.job import Bandwidth, FileWork, WarmJob, WarmSpec, glob_regex, static_dir
@@ -50,7 +51,8 @@ class Warmer:
 
     def __init__(self, vfs: Vfs, tiers: Tiers, store: ObjectStore, metrics: Metrics, *,
                  max_concurrency: int, immutable: bool = False, dataset_watch: bool = False,
-                 dataset_budget: int = 0, shard_warm: bool = False) -> None:
+                 dataset_budget: int = 0, shard_warm: bool = False, first_read: Port | None = None,
+                 shard_read: Port | None = None) -> None:
         self.vfs = vfs
         self.tiers = tiers
         self.store = store
@@ -65,12 +67,14 @@ class Warmer:
         if dataset_watch and immutable:
             from cachefs.warm.dataset_watch import DatasetWatcher
             self.watcher = DatasetWatcher(self, dataset_budget or tiers.disk_capacity // 2)
-            tiers.on_first_read = self.watcher.on_first_read
+            if first_read is not None:
+                first_read.connect(self.watcher.on_first_read)
         self.shards = None
         if shard_warm and vfs.packed is not None:
             from cachefs.warm.dataset_watch import ShardWatcher
             self.shards = ShardWatcher(self, dataset_budget or tiers.disk_capacity // 2)
-            vfs.packed.on_shard = self.shards.on_shard
+            if shard_read is not None:
+                shard_read.connect(self.shards.on_shard)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

@@ -36,6 +36,7 @@ import trio
 
 from cachefs.errors import StoreError
 from cachefs.metrics import Metrics, WritebackMetrics
+from cachefs.ports import Port
 from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.writeback import status as _status
@@ -72,20 +73,23 @@ def _backoff(failures: int) -> float:
 class Writeback:
     def __init__(self, store: ObjectStore, journal: Journal, policy: SyncPolicy, metrics: Metrics, *,
                  staging_size: int, staging_wait: float, part_size: int, upload_concurrency: int,
-                 log_concurrency: int) -> None:
+                 log_concurrency: int, retired: Port | None = None, barrier: Port | None = None) -> None:
         self.store = store
         self.journal = journal
         self.policy = policy
         self.staging_size = staging_size
         self.staging_wait = staging_wait
         self.staged_bytes = 0
-        self.on_retired: Callable[[StagedFile, ObjectInfo], None] = lambda entry, info: None
+        # a staged file reached the store (the namespace shows it); a record is about to go (the
+        # listing snapshot makes its rows durable first): ports the wiring connects (cachefs/ports.py)
+        self.retired = retired if retired is not None else Port("retired")
         self.replayed_dirs: set[str] = set()     # parents of records replayed at start (vfs relists them)
         self._files: dict[str, StagedFile] = {}
         self._ops: dict[tuple[bool, str], PendingOp] = {}
         self._io = trio.CapacityLimiter(8)          # fsync and record writes
         self._m = WritebackMetrics(metrics)
-        self._guard = JournalGuard(journal, self._io, self._m)    # journal I/O; fences a failing cache dir
+        self._guard = JournalGuard(journal, self._io, self._m,      # journal I/O; fences a failing cache dir
+                                   barrier if barrier is not None else Port("barrier"))
         self._uploader = Uploader(store, self._guard, part_size=part_size, upload_concurrency=upload_concurrency,
                                   log_concurrency=log_concurrency)
         self._busy: set[str] = set()
@@ -140,10 +144,6 @@ class Writeback:
         if records:
             log.info("journal: resuming %d staged file(s) (%d bytes) and %d pending operation(s)",
                      len(self._files), self.staged_bytes, len(self._ops))
-
-    def set_barrier(self, barrier: Callable[[], None]) -> None:
-        """``barrier`` (blocking) runs before each record removal (docs/writeback.md)."""
-        self._guard.barrier = barrier
 
     def wake(self) -> None:
         self._wake.set()
@@ -248,7 +248,7 @@ class Writeback:
             del self._files[entry.path]
         self.staged_bytes -= entry.size
         entry.deleted = True
-        self.on_retired(entry, info)
+        self.retired(entry, info)
         fd, entry.fd = entry.fd, -1
         async with entry.record_lock:
             await self._guard.forget(entry.id, fd)

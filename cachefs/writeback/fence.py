@@ -22,11 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class JournalGuard:
-    def __init__(self, journal: Journal, limiter: trio.CapacityLimiter, metrics: WritebackMetrics) -> None:
+    def __init__(self, journal: Journal, limiter: trio.CapacityLimiter, metrics: WritebackMetrics,
+                 barrier: Callable[[], None]) -> None:
         self.journal = journal
         self.reason = ""        # why the staging area takes no more writes ("": it does)
         self._limiter = limiter
-        self.barrier: Callable[[], None] = lambda: None    # blocking; made durable before a record goes
+        self.barrier = barrier  # blocking; made durable before a record goes (a Port: cachefs/ports.py)
         self._errors = metrics.journal_errors
         self.kept_aside = metrics.kept_aside
 

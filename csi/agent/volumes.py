@@ -19,8 +19,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -293,12 +291,14 @@ class VolumeManager:
     def _warm(self, vol: Volume, wait: bool) -> None:
         if not vol.warmup:
             return
-        command = [sys.executable, "-m", "cachefs", "warmup", "-q",
-                   *[os.path.join(vol.staging, p) for p in vol.warmup], *([] if wait else ["--detach"])]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            log.warning("volume %s: warmup exited %d: %s", vol.volume_id, result.returncode,
-                        result.stderr.strip()[-300:])
+        try:
+            final = launcher.warm(vol.staging, vol.warmup, detach=not wait)
+        except CachefsError as exc:
+            log.warning("volume %s: warmup of %s: %s", vol.volume_id, ", ".join(vol.warmup), exc)
+            return
+        if final is not None and (final["state"] != "done" or final.get("failed_files")):
+            log.warning("volume %s: warmup of %s ended %s (%s failed file(s)): %s", vol.volume_id,
+                        ", ".join(vol.warmup), final["state"], final.get("failed_files"), final.get("error_detail"))
 
     # ---- plumbing ----------------------------------------------------------------------------
     @contextmanager

@@ -57,7 +57,7 @@ Faults, settable from any thread while the proxy runs:
   ``stats()``             requests seen, faults injected by kind, connections.
 
 CLI:
-  python benchmarks/latency_proxy.py --upstream 127.0.0.1:5000 \
+  python -m testing.latency_proxy --upstream 127.0.0.1:5000 \
       --listen 127.0.0.1:0 --latency-ms 10 [--bandwidth-mbps N | --splice]
 prints ``port=<port>`` and ``endpoint_url=...`` and runs until SIGINT/SIGTERM.
 
