@@ -349,11 +349,11 @@ class Watcher(threading.Thread):
         self.join()
 
 
-def bucket_objects(client, bucket: str) -> dict[str, bytes]:
+def bucket_objects(client, bucket: str, prefix: str = PREFIX) -> dict[str, bytes]:
     out = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX + "/"):
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
         for obj in page.get("Contents", []):
-            key = obj["Key"][len(PREFIX) + 1:]
+            key = obj["Key"][len(prefix) + 1:]
             if key.endswith("/"):
                 continue
             with contextlib.suppress(client.exceptions.NoSuchKey):
@@ -407,7 +407,7 @@ class Campaign:
                 "--cache-dir", str(self.cache), "--log-file", str(self.workdir / "cachefs.log"),
                 "--metrics-port", "0", "--block-size", "256K", "--upload-part-size", "5M",
                 "--log-sync-period", "0.3", "--checkpoint-quiet-period", "0.5",
-                "--metadata-ttl", str(self.metadata_ttl), *self.extra(), *more]
+                "--metadata-ttl", str(self.metadata_ttl), "--no-keeper", *self.extra(), *more]
         from cachefs import launcher
         from cachefs.cli import build_parser, config_from_args
         cfg = config_from_args(build_parser().parse_args(args))   # what `cachefs mount` does, in-process

@@ -61,6 +61,11 @@ def config_from_args(args: argparse.Namespace) -> MountConfig:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if not cfg.foreground and launcher.is_cachefs_mount(cfg.mountpoint) and launcher.serves(cfg.mountpoint, cfg.url):
+        done = launcher.restart(cfg.mountpoint, cfg=cfg, timeout=cfg.ready_timeout)
+        print(f"cachefs: {cfg.url} was mounted at {cfg.mountpoint}: handed to a new daemon (pid {done.new_pid}, "
+              f"was {done.old_pid}) in {done.seconds:.2f} s, without unmounting", file=sys.stderr)
+        return 0
     warning = check_cache_fs(cfg.cache_dir, cfg.cache_size)
     if warning:
         print(f"cachefs: warning: {warning}", file=sys.stderr)
@@ -81,7 +86,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def cmd_daemon(args: argparse.Namespace) -> int:
     """Internal: the daemon process started by `mount` (config on stdin, ready line on a pipe)."""
-    return launcher.run_daemon(int(args.ready_fd))
+    return launcher.run_daemon(int(args.ready_fd), None if args.keeper_fd is None else int(args.keeper_fd))
+
+
+def cmd_keeper(args: argparse.Namespace) -> int:
+    """Internal: the keeper process started by `mount` (cachefs/keeper.py)."""
+    from cachefs.keeper import run_keeper
+    return run_keeper(int(args.ready_fd))
 
 
 # ---- umount, sync, status ----------------------------------------------------------------------------
@@ -117,6 +128,14 @@ def cmd_sync(args: argparse.Namespace) -> int:
     state = "synced" if done else ("uploading" if not args.wait else "NOT synced")
     print(f"cachefs: {state}; pending: {pending_line(final.get('pending', {}))}")
     return 0 if done or not args.wait else ExitCode.TIMEOUT
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    done = launcher.restart(mountpoint, timeout=args.timeout)
+    print(f"cachefs: {mountpoint} is served by pid {done.new_pid} (was {done.old_pid}); "
+          f"restarted in {done.seconds:.2f} s without unmounting", file=sys.stderr)
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -165,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait waits at most")
     sync.set_defaults(func=cmd_sync)
 
+    restart = sub.add_parser("restart", help="hand a live mount to a new daemon (this cachefs version) "
+                             "without unmounting: readers pause, never fail")
+    restart.add_argument("mountpoint")
+    restart.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the new daemon")
+    restart.set_defaults(func=cmd_restart)
+
     status = sub.add_parser("status", help="tier usage and hit ratios of a running mount")
     status.add_argument("mountpoint")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -178,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     daemon = sub.add_parser("_daemon")
     daemon.add_argument("ready_fd")
+    daemon.add_argument("--keeper-fd", default=None)
     daemon.set_defaults(func=cmd_daemon)
+    keeper = sub.add_parser("_keeper")
+    keeper.add_argument("ready_fd")
+    keeper.set_defaults(func=cmd_keeper)
     _add_plugin_commands(sub)
     sub.metavar = "{" + ",".join(public_commands(sub)) + "}"
     return parser

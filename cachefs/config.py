@@ -148,6 +148,13 @@ class MountConfig:
         "help": "who speaks the FUSE protocol: cachefs (its own layer over /dev/fuse) or pyfuse3 "
                 "(libfuse 3; kept for one release). The default comes from $CACHEFS_FUSE_BACKEND if set",
         "shown": "cachefs"})
+    keeper: bool = field(default=True, metadata={
+        "help": "the mount outlives its daemon: a small keeper process holds the FUSE connection and starts a "
+                "new daemon when one dies (readers pause, never fail; Linux 6.9+), and `cachefs restart` "
+                "upgrades a live mount; off with --foreground and --fuse-backend pyfuse3"})
+    keeper_standby: bool = field(default=True, metadata={
+        "help": "with --keeper, a second daemon waits with its code loaded to take over at once after a "
+                "crash (a pause of tens of ms instead of a Python start; costs that process's memory)"})
     metrics_port: int = field(default=9567, metadata={
         "help": "Prometheus port on metrics_host (next free one if taken); 0 disables"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus listen address"})
@@ -215,6 +222,11 @@ class MountConfig:
         return PACKED_BLOCK_SIZE if packed and self.mem_cache_size >= 2 * PACKED_BLOCK_SIZE else DEFAULT_BLOCK_SIZE
 
     @property
+    def kept(self) -> bool:
+        """Whether a keeper holds this mount's connection (``cachefs/keeper.py``)."""
+        return self.keeper and not self.foreground and self.fuse_backend == "cachefs"
+
+    @property
     def writable(self) -> bool:
         return not (self.read_only or self.immutable)
 
@@ -227,6 +239,12 @@ class MountConfig:
         if not self.immutable or packed:
             return "mutable"
         return None
+
+
+#: options a hand-over to a new daemon keeps (``cachefs restart``, mounting again): they are the FUSE
+#: connection, the home of the kernel's ids (the cache dir), or what the kernel has cached
+FIXED_OPTIONS = ("url", "mountpoint", "cache_dir", "allow_other", "read_only", "immutable", "fuse_backend",
+                 "uid", "gid", "file_mode", "dir_mode", "endpoint_url")
 
 
 def default_fuse_loops() -> int:

@@ -4,6 +4,11 @@
 ``on_ready(None)`` is called once the kernel mount answers; a failure before
 that raises a ``CachefsError`` and leaves nothing mounted. Start-up order is
 torn down in reverse by the nursery and the ``finally`` clauses.
+
+Under a keeper (``keeper.py``, ``link``) the daemon sends the keeper its FUSE descriptors once
+mounted, writes down the kernel's ids (``namespace/ids.py``), and may be a successor: it then
+adopts the live connection and its predecessor's ids instead of mounting. Asked to hand over
+(``cachefs restart``), it stops reading requests, answers those in hand, and exits ``HANDOVER``.
 """
 
 import logging
@@ -18,15 +23,26 @@ from typing import TYPE_CHECKING
 import trio
 
 from cachefs import __version__, fuse
-from cachefs.config import MountConfig
+from cachefs.config import FIXED_OPTIONS, MountConfig
 from cachefs.control.cachefds import CacheFds
 from cachefs.control.commands import command_table
 from cachefs.control.server import Control
 from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError, NoSuchKey
 from cachefs.fuse_ops import Operations
-from cachefs.host import CacheDirLock, check_cache_fs, check_fuse, check_mountpoint, tune_kernel, tune_malloc
+from cachefs.host import (
+    CacheDirLock,
+    check_cache_fs,
+    check_fuse,
+    check_mountpoint,
+    find_mount,
+    tune_kernel,
+    tune_malloc,
+)
+from cachefs.keeper import HANDOVER, Link
 from cachefs.metrics import Exporter, Metrics
+from cachefs.namespace.ids import IdLog
 from cachefs.namespace.listahead import ListAhead
+from cachefs.namespace.nodes import CONTROL_INODE
 from cachefs.namespace.packed import PackedView, open_packed
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
@@ -51,14 +67,20 @@ class Daemon:
     """The parts of one mount, built in order; ``status()`` feeds the control file."""
 
     def __init__(self, cfg: MountConfig, store: ObjectStore, metrics: Metrics,
-                 packed: tuple["Manifest", "PackedIndex"] | None = None) -> None:
+                 packed: tuple["Manifest", "PackedIndex"] | None = None, link: Link | None = None) -> None:
         self.cfg = cfg
+        self.link = link
+        self.handing_over = False
+        self.start_s = 0.0           # seconds from the keeper's word to a built daemon (a takeover's pause)
         no_passthrough = cfg.passthrough_wanted(packed is not None)
         if no_passthrough is not None:
             metrics.passthrough_fallbacks.labels(no_passthrough).inc()
+        cloned = Port("cloned")             # FUSE session -> the keeper (each request loop's descriptor)
+        if link is not None:
+            cloned.connect(link.clone)
         self.fuse = fuse.backend(cfg.fuse_backend, fuse.SessionOptions(
             max_background=cfg.fuse_max_background, congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4),
-            passthrough=no_passthrough is None, loops=cfg.fuse_loops))
+            passthrough=no_passthrough is None, loops=cfg.fuse_loops), cloned)
         self.store = store
         self.metrics = metrics
         self.started = time.time()
@@ -92,9 +114,13 @@ class Daemon:
             raise CacheDirError(f"cache dir {cfg.cache_dir}: cannot write the listing snapshot ({exc})") from None
         self.writeback: Writeback | None = (_writeback(cfg, store, metrics, retired, barrier)
                                             if cfg.writable and self.packed is None else None)
+        # the kernel's ids, written down for a successor (only where a keeper can start one)
+        self.ids = (IdLog(os.path.join(cfg.cache_dir, "kernel-ids"), fresh=not link.takeover)
+                    if link is not None else None)
         self.vfs = Vfs(store, self.tiers, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=immutable,
                        writeback=self.writeback, fsync_remote=cfg.fsync == "remote", source=self.packed,
-                       packed=self.packed, retired=retired, barrier=barrier)
+                       packed=self.packed, retired=retired, barrier=barrier, ids=self.ids,
+                       generation=link.go.get("generation", 0) if link is not None else 0)
         self.warmer = Warmer(self.vfs, self.tiers, store, metrics,
                              max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
                              dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget,
@@ -102,8 +128,9 @@ class Daemon:
         uid = os.getuid() if cfg.uid is None else cfg.uid
         gid = os.getgid() if cfg.gid is None else cfg.gid
         commands = command_table(self.status, self.warmer.commands(),
-                                 self._sync_command if self.writeback is not None else None)
-        self.control = Control(self.vfs.new_fh, commands, owner_uid=uid)
+                                 self._sync_command if self.writeback is not None else None,
+                                 self._restart if link is not None else None)
+        self.control = Control(lambda: self.vfs.new_fh(CONTROL_INODE), commands, owner_uid=uid)
         self.lister = (ListAhead(self.vfs, store, cfg.list_ahead)          # folders listed at mount
                        if cfg.list_ahead and self.packed is None else None)
         # packed mounts: local loaders read the cache files (cachefs.data)
@@ -111,6 +138,11 @@ class Daemon:
         self.ops = Operations(self.vfs, self.control, metrics, self.fuse.kernel, uid=uid, gid=gid,
                               idle_backing_bytes=cfg.cache_size // 4, file_mode=cfg.file_mode,
                               dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
+        if link is not None and link.takeover:
+            self.vfs.restore(list(self.ids.known.nodes.values()))
+            self.ops.restore_backings(self.ids.known.backings)
+            log.info("taking over %s: %d node id(s) and %d backing id(s) of the previous daemon", cfg.mountpoint,
+                     len(self.ids.known.nodes), len(self.ids.known.backings))
 
     def status(self) -> dict:
         m = self.metrics
@@ -123,6 +155,8 @@ class Daemon:
                     requests[key] = int(sample.value)
         return {"version": __version__, "pid": os.getpid(), "url": self.cfg.url,
                 "mountpoint": self.cfg.mountpoint, "cache_dir": self.cfg.cache_dir,
+                "options": {name: getattr(self.cfg, name) for name in FIXED_OPTIONS},
+                "log_level": self.cfg.log_level,
                 "uptime_s": round(time.time() - self.started, 1),
                 "metrics": self.exporter.address if self.exporter else None,
                 "immutable": self.cfg.immutable, "block_size": self.tiers.block_size, "tiers": tiers,
@@ -136,7 +170,14 @@ class Daemon:
                 "loader_fds": ({"socket": str(self.cache_fds.path), "served": self.cache_fds.served}
                                if self.cache_fds is not None and self.cache_fds.listening else None),
                 "writeback": self.writeback.status() if self.writeback else None,
+                "keeper": self.link.status() if self.link is not None else None,
                 "warmup": self.warmer.status()}
+
+    async def _restart(self, args: dict) -> AsyncIterator[dict]:
+        """``cachefs restart``: the keeper starts a new daemon (with ``config``, if given), which
+        takes the mount over once this one has handed it over."""
+        self.link.restart(args.get("config"))
+        yield {"pid": os.getpid(), "restarting": True}
 
     async def _sync_command(self, args: dict) -> AsyncIterator[dict]:
         from cachefs.writeback.commands import sync_command
@@ -144,14 +185,11 @@ class Daemon:
             yield reply
 
 
-def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
-    """Preflight, mount, serve until unmounted. Raises CachefsError before ``on_ready``."""
-    check_fuse()
-    check_mountpoint(cfg.mountpoint)
-    warning = check_cache_fs(cfg.cache_dir, cfg.cache_size)
-    if warning:
-        log.warning("%s", warning)
-    lock = CacheDirLock(cfg.cache_dir)
+def serve(cfg: MountConfig, on_ready: Callable[[], None], link: Link | None = None) -> int:
+    """Preflight, mount (or take over, ``link``), serve until unmounted. Raises CachefsError
+    before ``on_ready``. Returns 0, or ``HANDOVER`` when the mount went to a successor.
+    Under a keeper, what needs no lock and no network (the store's client: ~0.1-0.2 s of
+    botocore) is built before waiting for the keeper's word, so a standby takes over at once."""
     # Worker threads (disk reads, HTTP) hand results back to the busy trio thread: with the
     # default 5 ms GIL switch interval each waits up to 5 ms for it (a convoy); 0.2 ms keeps
     # a cold disk-tier read near its I/O time.
@@ -159,23 +197,43 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
     tune_malloc()
     metrics = Metrics()
     metrics.describe_mount(cfg.mountpoint, cfg.url, cfg.volume_id)
+    store = open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                       profile=cfg.profile, max_connections=cfg.max_connections,
+                       connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
+                       max_attempts=cfg.max_attempts, lean_requests=cfg.lean_requests)
+    if link is not None:
+        link.wait_go()          # a standby waits here
+    started = time.monotonic()
+    takeover = link is not None and link.takeover
     try:
-        store = open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                           profile=cfg.profile, max_connections=cfg.max_connections,
-                           connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
-                           max_attempts=cfg.max_attempts, lean_requests=cfg.lean_requests)
-        check_store(store, cfg)
+        check_fuse()
+        if not takeover:
+            check_mountpoint(cfg.mountpoint)
+        warning = check_cache_fs(cfg.cache_dir, cfg.cache_size)
+        if warning:
+            log.warning("%s", warning)
+        lock = CacheDirLock(cfg.cache_dir)
+    except BaseException:
+        store.close()
+        raise
+    try:
+        if not takeover:        # a live mount is served on whatever the store answers now
+            check_store(store, cfg)
         packed = open_packed(store)
         if packed is not None:
             log.info("%s is a packed dataset (%d files in %d shards, generation %d): mounting its original tree "
                      "read-only (writes get EROFS)", cfg.url, packed[0].files, packed[0].shards, packed[0].generation)
-        daemon = Daemon(cfg, store, metrics, packed)
+        daemon = Daemon(cfg, store, metrics, packed, link)
+        daemon.start_s = time.monotonic() - started
         try:
             trio.run(_serve, daemon, on_ready)
         except BaseExceptionGroup as group:
             raise _startup_error(group) from None
-        store.close()
+        if daemon.ids is not None:
+            daemon.ids.close()
+        return HANDOVER if daemon.handing_over else 0
     finally:
+        store.close()
         lock.close()
 
 
@@ -214,18 +272,26 @@ def _startup_error(group: BaseExceptionGroup) -> BaseException:
 
 async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
     cfg = daemon.cfg
+    begun = time.monotonic()
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.tiers.run)          # the memory and disk tiers, and readahead
         await nursery.start(daemon.warmer.run)
         if daemon.writeback is not None:
             await nursery.start(daemon.writeback.run)
-        try:
-            # read-only where nothing can be written (mountinfo shows it; the kernel refuses writes and
-            # keeps atime out of passthrough); the control file then speaks by ioctl
-            daemon.fuse.mount(daemon.ops, cfg.mountpoint, allow_other=cfg.allow_other,
-                              read_only=not daemon.vfs.writable)
-        except OSError as exc:
-            raise MountpointError(f"cannot mount at {cfg.mountpoint}: {exc.strerror or exc}") from None
+        link = daemon.link
+        if link is not None and link.takeover:
+            daemon.vfs.show_staged()         # restored nodes of files the journal replay staged
+            daemon.fuse.adopt(daemon.ops, link.fds, link.go["negotiated"], cfg.mountpoint)
+        else:
+            try:
+                # read-only where nothing can be written (mountinfo shows it; the kernel refuses writes and
+                # keeps atime out of passthrough); the control file then speaks by ioctl
+                daemon.fuse.mount(daemon.ops, cfg.mountpoint, allow_other=cfg.allow_other,
+                                  read_only=not daemon.vfs.writable)
+            except OSError as exc:
+                raise MountpointError(f"cannot mount at {cfg.mountpoint}: {exc.strerror or exc}") from None
+        if link is not None:
+            nursery.start_soon(_keeper_messages, daemon)
         stop = _Stop(daemon.fuse)
         unmount = True
         try:
@@ -236,25 +302,29 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                     raise ConfigError(f"metrics: {exc}") from None
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 nursery.start_soon(stop.on_signal, signals)
-                log.info("cachefs %s mounted %s at %s (cache %s)", __version__, cfg.url, cfg.mountpoint,
-                         cfg.cache_dir)
-                nursery.start_soon(_tune_then_ready, cfg, on_ready)
+                if link is not None and link.takeover:
+                    log.info("cachefs %s took over %s at %s (cache %s) in %.0f ms", __version__, cfg.url,
+                             cfg.mountpoint, cfg.cache_dir, (daemon.start_s + time.monotonic() - begun) * 1000)
+                else:
+                    log.info("cachefs %s mounted %s at %s (cache %s)", __version__, cfg.url, cfg.mountpoint,
+                             cfg.cache_dir)
+                nursery.start_soon(_tune_then_ready, daemon, on_ready)
                 if daemon.lister is not None:
                     nursery.start_soon(daemon.lister.run)
                 if daemon.cache_fds is not None:
                     await nursery.start(daemon.cache_fds.run)
                 await daemon.fuse.serve()
-            unmount = stop.signalled     # otherwise the kernel side already unmounted
+            unmount = stop.signalled and not daemon.handing_over    # otherwise the kernel side already unmounted
         finally:
             if daemon.exporter is not None:
                 daemon.exporter.close()
             daemon.fuse.close(unmount=unmount)
-            with trio.move_on_after(30, shield=True):
+            with trio.move_on_after(2 if daemon.handing_over else 30, shield=True):
                 await daemon.tiers.wait_idle()    # queued cache fills reach the disk tier
-            if daemon.writeback is not None:
+            if daemon.writeback is not None and not daemon.handing_over:    # a successor replays the journal
                 await _drain(daemon.writeback, cfg.drain_timeout)
             daemon.vfs.close()
-            log.info("unmounted %s", cfg.mountpoint)
+            log.info("%s %s", "handed over" if daemon.handing_over else "unmounted", cfg.mountpoint)
             nursery.cancel_scope.cancel()
 
 
@@ -269,12 +339,42 @@ async def _drain(writeback: Writeback, timeout: float) -> None:
                         left["operations"])
 
 
-async def _tune_then_ready(cfg: MountConfig, on_ready: Callable[[], None]) -> None:
+async def _tune_then_ready(daemon: Daemon, on_ready: Callable[[], None]) -> None:
     """Once the kernel's INIT is answered (a stat through the mount returns), tune the
-    connection (INIT would clamp an earlier readahead setting) and report ready."""
+    connection (INIT would clamp an earlier readahead setting), give the keeper the connection's
+    descriptors, and report ready. A successor has nothing to tune or give."""
+    cfg, link = daemon.cfg, daemon.link
+    if link is not None and link.takeover:
+        on_ready()
+        return
     await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
     await trio.to_thread.run_sync(tune_kernel, cfg.mountpoint, cfg.fuse_read_ahead_kb, cfg.fuse_max_background)
+    if link is not None:
+        entry = find_mount(cfg.mountpoint)
+        session = daemon.fuse.session
+        if entry is not None:
+            link.mounted(session.descriptors(), session.negotiated.export(), entry[0])
     on_ready()
+
+
+async def _keeper_messages(daemon: Daemon) -> None:
+    """The keeper's word: ``stop`` (a successor stands ready: hand the mount over now)."""
+    from cachefs.keeper import receive
+    sock = daemon.link.sock
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        message, fds = receive(sock)
+        for fd in fds:
+            os.close(fd)
+        if message is None:
+            log.warning("the keeper is gone: if this daemon dies now, the mount dies with it")
+            return
+        if message.get("kind") == "stop":
+            log.info("handing %s over to a new daemon", daemon.cfg.mountpoint)
+            daemon.handing_over = True
+            daemon.fuse.stop_reading()
+        elif message.get("kind") == "restart_failed":
+            log.warning("the new daemon failed to start; this one keeps serving")
 
 
 class _Stop:

@@ -20,7 +20,7 @@ import time
 from cachefs.control.protocol import CONTROL_NAME, IOCTL_RECEIVE, IOCTL_SEND
 from cachefs.control.server import Control
 from cachefs.errors import CachefsError, NeedsWait
-from cachefs.fuse.backing import Backings
+from cachefs.fuse.backing import Backing, Backings
 from cachefs.fuse.types import Attr, DirReply, FileInfo, FuseError, StatFs
 from cachefs.metrics import Metrics
 from cachefs.namespace.vfs import CONTROL_INODE, ROOT_INODE, FsError, Node, Vfs
@@ -187,8 +187,10 @@ class Operations:
         reused = self.backings.reuse(inode)
         if reused:
             return reused
-        if self.vfs.node(inode).opens:
-            self.metrics.passthrough_fallbacks.labels("busy").inc()    # other handles read through us
+        node = self.vfs.node(inode)
+        if node.opens or node.restored:
+            # other handles read through us (of this daemon, or maybe of a previous one)
+            self.metrics.passthrough_fallbacks.labels("busy").inc()
             return 0
         return self._register_backing(inode, self.vfs.blocks.exact_file_now(version))
 
@@ -196,7 +198,7 @@ class Operations:
         version = self._handover_version(inode, flags, wait=True)
         if version is None:
             return 0
-        if not self.backings.reuse(inode) and self.vfs.node(inode).opens == 0:
+        if not self.backings.reuse(inode) and self.vfs.node(inode).opens == 0 and not self.vfs.node(inode).restored:
             exact = await self.vfs.blocks.exact_file(version)
             reused = self.backings.reuse(inode)          # another open may have handed it over meanwhile
             if reused or self.vfs.node(inode).opens:
@@ -231,6 +233,7 @@ class Operations:
         finally:
             os.close(exact.fd)            # the kernel holds the file from here on
         self.backings.add(inode, backing_id, exact)
+        self.vfs.ids_log_backing(inode, backing_id)
         return backing_id
 
     def _handed_over(self, inode: int, flags: int, backing_id: int) -> FileInfo:
@@ -245,7 +248,17 @@ class Operations:
 
     def _close_backing(self, backing) -> None:
         self.kernel.backing_close(backing.id)
-        self.vfs.blocks.release_exact(backing.exact)
+        self.vfs.ids_log_backing(backing.inode, None)
+        if backing.exact is not None:
+            self.vfs.blocks.release_exact(backing.exact)
+
+    def restore_backings(self, backings: dict[int, int]) -> None:
+        """Backing ids a previous daemon of this mount registered (inode -> id)."""
+        for inode, backing_id in backings.items():
+            if self.vfs.find_node(inode) is not None:
+                self.backings.restore(inode, backing_id)
+            else:
+                self._close_backing(Backing(backing_id, None, opens=0, inode=inode))
 
     @_fast_operation("read")
     def now_read(self, fh, off, size):
@@ -292,6 +305,7 @@ class Operations:
 
     @_operation("readdir")
     async def readdir(self, fh, start_id, reply: DirReply):
+        await self.vfs.dir_handle(fh)
         for name, node, next_id in self.vfs.readdir_entries(fh, start_id):
             if not reply.add(os.fsencode(name), self._attr(node), next_id):
                 return
@@ -381,29 +395,53 @@ class Operations:
             return self._control_attr()
         size = attr.size if fields.update_size else None
         mtime = attr.mtime_ns / 1e9 if fields.update_mtime else None
-        return self._attr(await self.vfs.setattr(inode, size, mtime))   # mode, owner: fixed by the mount
+        return self._attr(await self.vfs.setattr(inode, size, mtime, fh))   # mode, owner: fixed by the mount
 
     @_operation("create")
     async def create(self, parent_inode, name, mode, flags, ctx):
         handle, node = await self.vfs.create(parent_inode, os.fsdecode(name), flags)
         return FileInfo(fh=handle.fh), self._attr(node)
 
+    # A request the kernel sends again to a new daemon (``ctx.resent``: its first daemon died
+    # answering it) may have been applied already: the error that only a second application
+    # gives (EEXIST after mkdir, ENOENT after unlink, rmdir or rename) is its success.
     @_operation("mkdir")
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._attr(await self.vfs.mkdir(parent_inode, os.fsdecode(name)))
+        try:
+            return self._attr(await self.vfs.mkdir(parent_inode, os.fsdecode(name)))
+        except FsError as exc:
+            if not (ctx.resent and exc.errno == errno.EEXIST):
+                raise
+            node = await self.vfs.lookup(parent_inode, os.fsdecode(name))
+            if not node.is_dir:
+                raise
+            return self._attr(node)
 
     @_operation("unlink")
     async def unlink(self, parent_inode, name, ctx):
-        await self.vfs.unlink(parent_inode, os.fsdecode(name))
+        try:
+            await self.vfs.unlink(parent_inode, os.fsdecode(name))
+        except FsError as exc:
+            if not (ctx.resent and exc.errno == errno.ENOENT):
+                raise
 
     @_operation("rmdir")
     async def rmdir(self, parent_inode, name, ctx):
-        await self.vfs.rmdir(parent_inode, os.fsdecode(name))
+        try:
+            await self.vfs.rmdir(parent_inode, os.fsdecode(name))
+        except FsError as exc:
+            if not (ctx.resent and exc.errno == errno.ENOENT):
+                raise
 
     @_operation("rename")
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        await self.vfs.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new, os.fsdecode(name_new),
-                              flags)
+        try:
+            await self.vfs.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
+                                  os.fsdecode(name_new), flags)
+        except FsError as exc:
+            if not (ctx.resent and exc.errno == errno.ENOENT):
+                raise
+            await self.vfs.child(self.vfs.node(parent_inode_new), os.fsdecode(name_new))    # moved: there
 
     # ---- what an object store cannot do ---------------------------------------------------------
     @_operation("mknod")

@@ -1,8 +1,10 @@
 """Start a daemon, wait until it is ready, stop it: used by the CLI and by ``csi/``.
 
-A daemon is ``python -m cachefs _daemon READY_FD`` in its own session. Its config arrives as
-JSON on stdin (never argv: it may name a credentials profile, and argv is world-readable); it
-answers on the ready pipe with one line: ``OK`` once the kernel mount answers, or
+A daemon is ``python -m cachefs _daemon READY_FD`` in its own session; where a keeper holds
+the mount (``cfg.kept``, ``keeper.py``) the launcher starts ``python -m cachefs _keeper READY_FD``
+and the keeper starts the daemon with the same ready pipe. The config arrives as JSON on stdin
+(never argv: it may name a credentials profile, and argv is world-readable); the daemon answers on
+the ready pipe with one line: ``OK PID`` once the kernel mount answers, or
 ``ERR <exit code> <message>`` when start-up fails (it then leaves nothing mounted).
 """
 
@@ -15,17 +17,19 @@ import sys
 import time
 from dataclasses import dataclass
 
-from cachefs.config import MountConfig, build_config, to_dict
+from cachefs.config import FIXED_OPTIONS, MountConfig, build_config, to_dict
 from cachefs.errors import CacheDirError, CachefsError, ExitCode, MountpointError, StartTimeout
 from cachefs.host import find_mount
+from cachefs.keeper import HANDOVER
 
 log = logging.getLogger("cachefs")
 
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    pid: int
+    pid: int                    # the daemon
     log_path: str
+    keeper_pid: int | None = None   # the keeper holding the mount (None: no keeper)
 
 
 class StartFailed(CachefsError):
@@ -51,7 +55,8 @@ def start(cfg: MountConfig, *, env: dict[str, str] | None = None,
     except OSError as exc:
         raise CacheDirError(f"cannot open log file {cfg.log_path}: {exc.strerror}") from None
     ready_r, ready_w = os.pipe()
-    child = subprocess.Popen([sys.executable, "-m", "cachefs", "_daemon", str(ready_w)],
+    role = "_keeper" if cfg.kept else "_daemon"
+    child = subprocess.Popen([sys.executable, "-m", "cachefs", role, str(ready_w)],
                              stdin=subprocess.PIPE, stdout=logfile, stderr=logfile, pass_fds=(ready_w,),
                              start_new_session=True, close_fds=True, env=env)
     os.close(ready_w)
@@ -62,7 +67,8 @@ def start(cfg: MountConfig, *, env: dict[str, str] | None = None,
     child.stdin.close()
     line = _read_ready(ready_r, child, cfg.ready_timeout)
     if line.startswith("OK"):
-        return Started(child.pid, cfg.log_path)
+        pid = int(line.split()[1]) if len(line.split()) > 1 else child.pid
+        return Started(pid, cfg.log_path, child.pid if cfg.kept else None)
     if line.startswith("ERR "):
         code, _, message = line[4:].partition(" ")
         raise StartFailed(message, int(code))
@@ -89,8 +95,9 @@ def _read_ready(fd: int, child: subprocess.Popen, timeout: float) -> str:
     return data.decode(errors="replace").strip()
 
 
-def run_daemon(ready_fd: int) -> int:
-    """The daemon process's side of ``start``: config on stdin, one ready line on ``ready_fd``."""
+def run_daemon(ready_fd: int, keeper_fd: int | None = None) -> int:
+    """The daemon process's side of ``start``: config on stdin, one ready line on ``ready_fd``;
+    ``keeper_fd``: the socket to the keeper that started it (it says when to serve)."""
     ready = os.fdopen(ready_fd, "w")
     try:
         config_line, _, secrets_line = sys.stdin.read().partition("\n")
@@ -101,13 +108,19 @@ def run_daemon(ready_fd: int) -> int:
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
         from cachefs.daemon import serve
+        from cachefs.keeper import Link
+
+        link = Link(keeper_fd) if keeper_fd is not None else None     # serve waits for its word
 
         def on_ready() -> None:
-            ready.write("OK\n")
+            ready.write(f"OK {os.getpid()}\n")
             ready.close()
 
-        serve(cfg, on_ready)
-        return 0
+        status = serve(cfg, on_ready, link)
+        if status == HANDOVER:          # the successor waits on our exit: skip the interpreter's teardown
+            logging.shutdown()
+            os._exit(status)
+        return status
     except CachefsError as exc:
         log.error("%s", exc)
         _report(ready, f"ERR {exc.exit_code} {exc}")
@@ -181,6 +194,63 @@ def drain_writes(mountpoint: str, timeout: float) -> None:
                        f"not uploaded after {timeout:.0f} s (errors: {'; '.join(left['errors']) or 'none'}); "
                        f"still mounted. They stay staged: retry, or `cachefs umount --no-drain` to unmount "
                        f"now and upload them at the next mount of this cache dir")
+
+
+# ---- restart -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Restarted:
+    old_pid: int
+    new_pid: int
+    seconds: float              # from the request to the new daemon answering status
+
+
+def serves(mountpoint: str, url: str) -> bool:
+    """Whether the live cachefs mount at ``mountpoint`` serves ``url`` (a daemon answers it)."""
+    from cachefs.control.client import request
+    try:
+        return next(request(mountpoint, "status")).get("url") == url
+    except (CachefsError, StopIteration):
+        return False
+
+
+def restart(mountpoint: str, *, cfg: MountConfig | None = None, timeout: float = 60.0) -> Restarted:
+    """Hand the live mount at ``mountpoint`` to a new daemon (this cachefs version; ``cfg``: new
+    options, those in ``FIXED_OPTIONS`` unchanged) without unmounting: readers pause, never fail.
+    Raises Unsupported where no keeper holds the mount, MountpointError for a changed fixed option,
+    StartTimeout when no new daemon answers in time (the old one keeps serving if the new one failed)."""
+    from cachefs.control.client import hello, request
+    from cachefs.errors import Unsupported
+
+    if not is_cachefs_mount(mountpoint):
+        raise MountpointError(f"{mountpoint} is not a mounted cachefs filesystem")
+    if "restart" not in hello(mountpoint)["commands"]:
+        raise Unsupported(f"no keeper holds {mountpoint} (mounted with --no-keeper, --foreground or "
+                          f"--fuse-backend pyfuse3): unmount and mount it again instead")
+    status = next(request(mountpoint, "status"))
+    args = {}
+    if cfg is not None:
+        old = status.get("options", {})
+        changed = [name for name in FIXED_OPTIONS if name in old and old[name] != to_dict(cfg)[name]]
+        if changed:
+            raise MountpointError(f"{mountpoint} is busy: {status.get('url')} is mounted there with another "
+                                  f"{', '.join(changed)}; mounting again hands a live mount to a new daemon only "
+                                  f"when {'it stays' if len(changed) == 1 else 'they stay'} the same (unmount first)")
+        args["config"] = to_dict(cfg)
+    started = time.monotonic()
+    old_pid = next(request(mountpoint, "restart", **args))["pid"]
+    deadline = started + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            pid = next(request(mountpoint, "status"))["pid"]
+        except (CachefsError, StopIteration, KeyError):
+            continue
+        if pid != old_pid:
+            return Restarted(old_pid, pid, time.monotonic() - started)
+        if not process_alive(old_pid):
+            continue
+    raise StartTimeout(f"no new daemon took {mountpoint} over within {timeout:.0f} s (see the log); "
+                       f"pid {old_pid} keeps serving it")
 
 
 # ---- warm ----------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class Mount:
         self.cache_dir = cache_dir
         self.args = args
         self.pid: int | None = None
+        self.keeper_pid: int | None = None
 
     def __truediv__(self, other: str) -> Path:
         return self.path / other
@@ -68,7 +69,9 @@ class Mount:
         result = cachefs("mount", self.url, str(self.path), "--cache-dir", str(self.cache_dir),
                          "--metrics-port", "0", *self.args)
         if result.returncode == 0:
-            self.pid = self.status()["pid"]
+            status = self.status()
+            self.pid = status["pid"]
+            self.keeper_pid = (status.get("keeper") or {}).get("pid")
         return result
 
     def status(self) -> dict:
@@ -90,22 +93,49 @@ class Mount:
         result = cachefs("umount", str(self.path))
         assert result.returncode == 0, result.stderr
         assert not is_mounted(self.path)
+        if self.keeper_pid is not None:         # it exits once the mount is gone
+            _wait_gone(self.keeper_pid)
+            assert not process_alive(self.keeper_pid), "the keeper outlived the mount"
+            self.keeper_pid = None
         self.pid = None
 
     def kill(self) -> None:
-        """SIGKILL the daemon (a crash); the kernel mount stays behind, stale."""
+        """SIGKILL the keeper and the daemon (a crash of both: the node lost its processes); the
+        kernel mount stays behind, stale."""
         assert self.pid is not None
+        if self.keeper_pid is not None:
+            os.kill(self.keeper_pid, signal.SIGKILL)
+            _wait_gone(self.keeper_pid)
+            self.keeper_pid = None
         os.kill(self.pid, signal.SIGKILL)
         _wait_gone(self.pid)
         self.pid = None
 
+    def kill_daemon(self, timeout: float = 20.0) -> int:
+        """SIGKILL the daemon only; the keeper starts a new one on the live mount. Returns the
+        new daemon's pid once it answers."""
+        old = self.status()["pid"]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            try:
+                pid = self.status()["pid"]
+            except Exception:  # noqa: BLE001  (ENOTCONN and the like: no daemon yet)
+                continue
+            if pid != old:
+                self.pid = pid
+                return pid
+        raise AssertionError(f"no new daemon took {self.path} over within {timeout} s")
+
     def cleanup(self) -> None:
         if is_mounted(self.path) and cachefs("umount", str(self.path)).returncode != 0:
             subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
-        if self.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            _wait_gone(self.pid)
+        for pid in (self.keeper_pid, self.pid):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                _wait_gone(pid)
 
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> None:

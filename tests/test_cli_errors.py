@@ -27,16 +27,26 @@ pytestmark = pytest.mark.fuse
 # --- helpers ------------------------------------------------------------------------------------
 
 def daemons_of(cache_dir: Path) -> set[int]:
-    """Live `cachefs _daemon` processes logging into ``cache_dir`` (their stdout is its log file);
+    """Live `cachefs _daemon` and `_keeper` processes logging into ``cache_dir`` (their stdout is its
+    log file), standbys aside;
     other daemons on this machine (other tests, other sessions) are not ours to judge."""
     pids = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-                if b"_daemon" in argv and Path(os.readlink(f"/proc/{entry}/fd/1")).parent == cache_dir:
+                if (b"_daemon" in argv or b"_keeper" in argv) and \
+                        Path(os.readlink(f"/proc/{entry}/fd/1")).parent == cache_dir and not _standby(int(entry), argv):
                     pids.add(int(entry))
     return pids
+
+
+def _standby(pid: int, argv: list[bytes]) -> bool:
+    """A keeper's standby daemon: started beside the serving one, it holds no cache-dir lock."""
+    if b"--keeper-fd" not in argv:
+        return False
+    fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    return not any(name.endswith("/cachefs.lock") for name in fds)
 
 
 def lock_holder(cache_dir: Path) -> str | None:
@@ -246,7 +256,7 @@ def test_cache_dir_locked_by_another_daemon(tmp_path, dataset, mount_factory):
     expect_error(result, ExitCode.CACHE_DIR, "in use by another cachefs daemon", f"pid {first.pid}")
     assert find_mount(str(second)) is None
     assert lock_holder(first.cache_dir) == str(first.pid)
-    assert daemons_of(first.cache_dir) == {first.pid}      # the detector sees a live daemon
+    assert daemons_of(first.cache_dir) == {first.pid, first.keeper_pid}      # the detector sees a live daemon
     assert (first / "a.txt").read_bytes() == b"hello"
 
 

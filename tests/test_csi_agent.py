@@ -60,10 +60,10 @@ def test_agent_restarts_adopt_and_repair(driver, tmp_path, s3_server, bucket):
     stats = driver.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id="vol-a", volume_path=str(target)))
     assert not stats.volume_condition.abnormal
 
-    # the agent and the daemon die (an agent container restart): the new agent mounts it again
+    # the agent and the volume's processes die (an agent container restart): the new agent mounts it again
     os.killpg(driver.agent.pid, signal.SIGKILL)
     driver.agent.wait()
-    os.kill(pid, signal.SIGKILL)
+    driver.kill_volume_processes()
     wait_for(lambda: not reads(target), 5, "the dead mount")
     stats = None
     driver.start_agent()

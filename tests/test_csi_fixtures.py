@@ -121,14 +121,29 @@ class Driver:
             self._channel.close()
 
     def daemon_pids(self) -> list[int]:
-        """Live cachefs daemons whose cache dir is under this driver's cache root."""
+        """Live cachefs daemons serving a volume under this driver's cache root (each holds its
+        cache dir's lock; a keeper's standby daemon holds none yet)."""
+        return [pid for pid in self._pids(b"_daemon") if "/cachefs.lock" in _open_files(pid)]
+
+    def kill_volume_processes(self) -> None:
+        """SIGKILL every keeper and daemon of this driver's volumes (keepers first)."""
+        for pid in self.process_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def process_pids(self) -> list[int]:
+        """Every cachefs process of this driver's volumes: keepers first (so a kill in this order
+        leaves none to start a new daemon), then daemons, standbys included."""
+        return self._pids(b"_keeper") + self._pids(b"_daemon")
+
+    def _pids(self, role: bytes) -> list[int]:
         pids = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             with contextlib.suppress(OSError):
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-                if b"_daemon" in cmd and process_alive(int(entry)) and \
+                if role in cmd and process_alive(int(entry)) and \
                         str(self.cache_root) in os.readlink(f"/proc/{entry}/cwd") + _open_files(int(entry)):
                     pids.append(int(entry))
         return pids
@@ -160,7 +175,7 @@ def driver(tmp_path: Path):
     drv.start_agent()
     drv.start_plugin()
     yield drv
-    pids = drv.daemon_pids()
+    pids = drv.process_pids()
     drv.stop()
     cleanup_mounts(tmp_path)
     for pid in pids:

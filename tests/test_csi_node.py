@@ -192,7 +192,7 @@ def test_two_pods_share_one_daemon_and_nothing_leaks(tmp_path, s3_server, bucket
         drv.start_plugin()
         _two_pods(drv, tmp_path, s3_server, bucket, metrics_port)
     finally:
-        pids = drv.daemon_pids()
+        pids = drv.process_pids()
         drv.stop()
         cleanup_mounts(tmp_path)
         for pid in pids:
@@ -303,7 +303,7 @@ def test_non_root_pod_gets_its_fs_group(public_dir, tmp_path, s3_server, bucket)
         outsider = as_user(1001, 1001, f"cat {target}/a.txt && echo x > {target}/x.txt")
         assert outsider.stdout == "alpha" and "Permission denied" in outsider.stderr, outsider
     finally:
-        pids = drv.daemon_pids()
+        pids = drv.process_pids()
         drv.stop()
         cleanup_mounts(public_dir)
         cleanup_mounts(tmp_path)            # the daemon's own mount, in the agent's state dir

@@ -376,7 +376,7 @@ def test_a_failed_read_is_logged_once(bucket_mem, caplog):
     store = bucket_mem.store()
     vfs = make_vfs(store)
     metrics = Metrics()
-    ops = Operations(vfs, Control(vfs.new_fh), metrics, types.SimpleNamespace(passthrough=False), uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
+    ops = Operations(vfs, Control(lambda: vfs.new_fh(2)), metrics, types.SimpleNamespace(passthrough=False), uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
                      metadata_ttl=TTL, immutable=False)
 
     async def main():

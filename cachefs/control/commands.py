@@ -3,7 +3,8 @@ whether it changes state (then only root and the mount's owner may run it; see `
 
 Open to every user who can open the control file: ``hello``, ``status``, ``warmup_check``.
 Owner only: ``sync`` (uploads), ``warmup`` (fills the cache), ``warmup_evict``, ``warmup_unpin``,
-and ``warmup_paths`` (it keeps a manifest's paths in the daemon's memory until a warmup uses them).
+``warmup_paths`` (it keeps a manifest's paths in the daemon's memory until a warmup uses them),
+and ``restart`` (a new daemon takes the live mount over; only where a keeper holds it).
 """
 
 from collections.abc import AsyncIterator, Callable
@@ -36,15 +37,18 @@ WARM_COMMANDS = {"warmup": (True, WARMUP_ARGS),
 
 
 def command_table(status: Callable[[], dict], warm: dict[str, Handler],
-                  sync: Handler | None) -> dict[str, Command]:
+                  sync: Handler | None, restart: Handler | None = None) -> dict[str, Command]:
     """The daemon's commands. ``status`` returns the status dict; ``warm`` is the warm engine's
-    ``commands()``; ``sync`` is None on a read-only mount (the command does not exist there)."""
+    ``commands()``; ``sync`` is None on a read-only mount (the command does not exist there);
+    ``restart`` None where no keeper holds the mount."""
     if set(warm) != set(WARM_COMMANDS):     # the engine and this table must name the same commands
         raise RuntimeError(f"warm engine commands {sorted(warm)} != the table's {sorted(WARM_COMMANDS)}")
     commands = [Command("status", _once(status), False, {})]
     commands += [Command(name, warm[name], changes, args) for name, (changes, args) in WARM_COMMANDS.items()]
     if sync is not None:
         commands.append(Command("sync", sync, True, SYNC_ARGS))
+    if restart is not None:
+        commands.append(Command("restart", restart, True, {"config": Arg(dict)}))
     return {c.name: c for c in commands}
 
 

@@ -91,7 +91,7 @@ def decode_request(raw: bytes) -> Request:
 
 # ---- argument schemas ---------------------------------------------------------------------------
 class Arg:
-    """One argument: its JSON type (bool, int, float, str, list of str), choices; None means absent."""
+    """One argument: its JSON type (bool, int, float, str, list of str, object), choices; None means absent."""
 
     __slots__ = ("kind", "choices")
 
@@ -128,7 +128,7 @@ def _describe(arg: Arg) -> str:
     if arg.choices:
         return "one of " + ", ".join(map(repr, arg.choices))
     return {list: "a list of strings", float: "a number", int: "an integer", bool: "true or false",
-            str: "a string"}[arg.kind]
+            str: "a string", dict: "an object"}[arg.kind]
 
 
 def _short(value: Any) -> str:

@@ -19,16 +19,24 @@ class CachefsBackend:
 
     name = "cachefs"
 
-    def __init__(self, options: SessionOptions | None = None) -> None:
-        self.session = Session(options)
+    def __init__(self, options: SessionOptions | None = None, cloned=None) -> None:
+        self.session = Session(options, cloned=cloned)
         self.kernel = self.session
 
     def mount(self, ops, mountpoint: str, *, allow_other: bool, read_only: bool) -> None:
         self.ops = ops
         self.session.mount(mountpoint, MountOptions(allow_other=allow_other, read_only=read_only))
 
+    def adopt(self, ops, fds: list[int], negotiated: dict, mountpoint: str) -> None:
+        """Serve a live mount a previous daemon served (``cachefs/keeper.py``)."""
+        self.ops = ops
+        self.session.adopt(fds, negotiated, mountpoint)
+
     async def serve(self) -> None:
         await self.session.serve(self.ops)
+
+    def stop_reading(self) -> None:
+        self.session.stop_reading()
 
     def terminate(self) -> None:
         self.session.terminate()
@@ -44,8 +52,9 @@ class CachefsBackend:
         self.session.close(unmount)
 
 
-def backend(name: str, options: SessionOptions | None = None):
+def backend(name: str, options: SessionOptions | None = None, cloned=None):
+    """``cloned``: a Port called with each request loop's cloned descriptor (our own layer)."""
     if name == "pyfuse3":
         from cachefs.fuse.pyfuse3_backend import Pyfuse3Backend
         return Pyfuse3Backend()
-    return CachefsBackend(options)
+    return CachefsBackend(options, cloned)

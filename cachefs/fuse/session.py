@@ -7,6 +7,12 @@ the others run as trio tasks. Every reply is one ``writev``. The kernel's reques
 id; INTERRUPT cancels a request still waiting (a READ on a GET, a LOOKUP on a listing) and the
 kernel gets EINTR; a request that has already been answered ignores it.
 
+A session may also adopt a connection another process mounted and initialized (``adopt``: a
+daemon taking over a live mount, ``cachefs/keeper.py``): it skips INIT, keeps what INIT settled,
+and first asks the kernel to send again every request read but not answered
+(``FUSE_NOTIFY_RESEND``); a resent request's unique has bit 63 set and is answered as received.
+``stop_reading`` ends the reading and lets the requests in hand be answered (a hand-over).
+
 Errors: a handler's ``FuseError`` is its answer; an exception the ``Operations`` layer let through
 is a bug and answers EIO (logged with its traceback); an opcode nobody serves answers ENOSYS; a
 malformed request answers EINVAL. The session never dies of a request.
@@ -28,6 +34,7 @@ from cachefs.fuse import abi, mount
 from cachefs.fuse.mount import MountOptions
 from cachefs.fuse.opcodes import Opcodes
 from cachefs.fuse.types import Context, FuseError
+from cachefs.ports import Port
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,24 @@ class Negotiated:
     def has(self, flag: int) -> bool:
         return bool(self.flags & flag)
 
+    @property
+    def resend(self) -> bool:
+        """The kernel can send again the requests a dead server had read (Linux 6.9+;
+        CACHEFS_TEST_NO_RESEND=1 plays an older kernel, for the tests of the keeper's fallback)."""
+        return bool(self.kernel_flags & abi.HAS_RESEND) and os.environ.get("CACHEFS_TEST_NO_RESEND") != "1"
+
+    def export(self) -> dict:
+        return {"minor": self.minor, "flags": self.flags, "kernel_flags": self.kernel_flags,
+                "max_readahead": self.max_readahead, "max_write": self.max_write, "resend": self.resend}
+
+    @classmethod
+    def adopt(cls, values: dict) -> "Negotiated":
+        return cls(values["minor"], values["flags"], values["kernel_flags"], values["max_readahead"],
+                   values["max_write"])
+
+
+RESENT = 1 << 63          # the bit the kernel sets in the unique of a request it sends again
+
 
 class Request:
     __slots__ = ("opcode", "unique", "nodeid", "uid", "gid", "pid", "body", "fd")
@@ -72,7 +97,7 @@ class Request:
         self.body = data[abi.IN_HEADER.size:length]
 
     def ctx(self) -> Context:
-        return Context(self.uid, self.gid, self.pid)
+        return Context(self.uid, self.gid, self.pid, resent=bool(self.unique & RESENT))
 
     def name(self, start: int = 0) -> bytes:
         """The NUL-terminated name at ``start`` of the body."""
@@ -85,7 +110,7 @@ class Session(Opcodes):
     ``notify_inval_inode``, ``notify_inval_entry``; lifecycle: ``serve`` until the filesystem
     is unmounted or ``terminate`` is called."""
 
-    def __init__(self, options: SessionOptions | None = None, fd: int = -1) -> None:
+    def __init__(self, options: SessionOptions | None = None, fd: int = -1, cloned: Port | None = None) -> None:
         self.fd = fd                  # set by ``mount`` (or given: a descriptor mounted elsewhere)
         self.options = options or SessionOptions()
         self.negotiated = Negotiated()
@@ -102,6 +127,30 @@ class Session(Opcodes):
         self._inbox_lock = threading.Lock()
         self._token = None
         self._table = self._build_table()
+        self._adopted = False
+        self._given_clones: list[int] = []
+        self._reading: trio.CancelScope | None = None
+        self._in_hand = 0             # requests being answered by tasks
+        self.cloned = cloned if cloned is not None else Port("cloned")   # each new clone (the keeper holds it too)
+
+    def adopt(self, fds: list[int], negotiated: dict, mountpoint: str) -> None:
+        """Serve the connection of ``fds`` (the session's descriptor, then clones for the request
+        loops), mounted and initialized by a previous daemon: no INIT comes again."""
+        self.fd, self._given_clones = fds[0], list(fds[1:])
+        self.mountpoint = mountpoint
+        self.negotiated = Negotiated.adopt(negotiated)
+        self._adopted = True
+
+    def descriptors(self) -> list[int]:
+        """The session's descriptor and the clones of its request loops."""
+        return [self.fd, *self._clones]
+
+    def stop_reading(self) -> None:
+        """Read no more requests; ``serve`` returns once those in hand are answered (at most 5 s:
+        the kernel sends the rest again to the next daemon)."""
+        self._stop = True
+        if self._reading is not None:
+            self._reading.cancel()
 
     def mount(self, mountpoint: str, options: MountOptions) -> None:
         self.fd = mount.mount(mountpoint, options)
@@ -133,10 +182,22 @@ class Session(Opcodes):
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
+            if self._adopted:
+                self._initialized.set()
+                if self.negotiated.resend:
+                    self._notify(abi.NOTIFY_RESEND, [])     # what the dead daemon read comes again
+                log.info("took over the FUSE connection (7.%d, %s)%s", self.negotiated.minor,
+                         abi.flag_names(self.negotiated.flags),
+                         "; requests in flight sent again" if self.negotiated.resend else "")
             task_status.started()
             try:
                 nursery.start_soon(self._start_loops)
-                await self._loop(buf, view)
+                with trio.CancelScope() as self._reading:
+                    await self._loop(buf, view)
+                if self._reading.cancelled_caught:
+                    with trio.move_on_after(5.0):
+                        while self._in_hand:
+                            await trio.sleep(0.005)
             finally:
                 nursery.cancel_scope.cancel()
                 self._nursery = None
@@ -147,18 +208,27 @@ class Session(Opcodes):
         session's descriptor (FUSE_DEV_IOC_CLONE) and hand them to the trio thread in batches:
         the reads (the kernel's copy of each request) leave the trio thread; one owner answers."""
         if self.options.loops <= 0:
+            self._clones.extend(self._given_clones)      # kept open (the keeper holds them too), unread
+            self._given_clones = []
             return
         await self._initialized.wait()
         for i in range(self.options.loops):
-            try:
-                fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-                fcntl.ioctl(fd, abi.DEV_IOC_CLONE, bytearray(struct.pack("<I", self.fd)))
-            except OSError as exc:
-                log.info("cannot clone the FUSE descriptor (%s): %d request loop(s) only", exc, i + 1)
-                return
+            if self._given_clones:
+                fd = self._given_clones.pop(0)      # a clone a previous daemon made (the keeper kept it)
+            else:
+                try:
+                    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+                    fcntl.ioctl(fd, abi.DEV_IOC_CLONE, bytearray(struct.pack("<I", self.fd)))
+                except OSError as exc:
+                    log.info("cannot clone the FUSE descriptor (%s): %d request loop(s) only", exc, i + 1)
+                    return
+                self.cloned(fd)
             self._clones.append(fd)
             threading.Thread(target=self._clone_loop, args=(fd,), name=f"fuse-loop-{i + 1}", daemon=True).start()
         log.info("%d extra FUSE request loop(s) on cloned descriptors", self.options.loops)
+        for fd in self._given_clones:     # more clones than loops now: the kernel resent their requests
+            self._clones.append(fd)
+        self._given_clones = []
 
     def _clone_loop(self, fd: int) -> None:
         buf = bytearray(abi.BUFFER_SIZE)
@@ -249,6 +319,7 @@ class Session(Opcodes):
         scope = trio.CancelScope()
         if interruptible:
             self._running[req.unique] = scope
+        self._in_hand += 1
         try:
             with scope:
                 result = await work()
@@ -262,6 +333,7 @@ class Session(Opcodes):
             log.exception("a FUSE request failed: answered EIO")
             self.reply_error(req, errno.EIO)
         finally:
+            self._in_hand -= 1
             self._running.pop(req.unique, None)
 
     def _answer(self, req: Request, now: Callable | None, later: Callable, encode: Callable) -> None:

@@ -69,6 +69,7 @@ class Context:
     gid: int
     pid: int
     umask: int = 0o022
+    resent: bool = False      # the kernel sent it again to a new daemon: it may have been applied
 
 
 @dataclass(slots=True, frozen=True)

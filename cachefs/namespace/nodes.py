@@ -2,6 +2,8 @@
 
 Lookup counts follow the kernel: +1 per lookup reply and per readdirplus entry, -n on forget;
 a node is dropped when the kernel forgets it and no handle holds it open, never on unlink.
+Every node id handed out and every one retired is written down (``ids.IdLog``), so that the
+next daemon of a live mount knows them (``restore``).
 """
 
 import errno
@@ -10,12 +12,14 @@ import os
 from dataclasses import dataclass
 
 from cachefs.errors import CachefsError
+from cachefs.namespace.ids import IdLog, KnownNode
 from cachefs.store import ObjectInfo
 from cachefs.writeback.staged import StagedFile
 
 ROOT_INODE = 1
 CONTROL_INODE = 2
 _FIRST_INODE = 16
+_RESTORED = 1 << 48      # the lookup count of a node a previous daemon handed out (its own count is unknown)
 
 
 class FsError(CachefsError):
@@ -63,6 +67,11 @@ class Node:
         self.size, self.mtime, self.etag, self.checked_at = info.size, info.mtime, info.etag, now
 
     @property
+    def restored(self) -> bool:
+        """Handed out by a previous daemon of this mount (its kernel lookups are not known)."""
+        return self.lookups >= _RESTORED and self.inode != ROOT_INODE
+
+    @property
     def is_store_file(self) -> bool:
         """A file served from the store (not a directory, not staged)."""
         return not self.is_dir and self.staged is None
@@ -71,15 +80,37 @@ class Node:
 class NodeTable:
     """The inodes the kernel knows, and the path each names now."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, ids: IdLog | None = None) -> None:
         root = Node(ROOT_INODE, "", True, None, now)
         root.lookups = 1 << 62      # never forgotten
         self._nodes: dict[int, Node] = {ROOT_INODE: root}
         self._by_path: dict[str, int] = {"": ROOT_INODE}
         self._next_inode = itertools.count(_FIRST_INODE)
+        self.ids = ids
+
+    def restore(self, known: list[KnownNode]) -> None:
+        """Take over the nodes a previous daemon handed out: same ids, same paths. Their
+        versions are revalidated before use (unless the dataset is immutable); the kernel's
+        lookup counts are not known, so the first FORGET of one drops it (the kernel sends
+        FORGET when it evicts an inode, with every lookup it holds)."""
+        for item in known:
+            if item.inode in self._nodes:
+                continue
+            node = Node(item.inode, item.path, item.is_dir,
+                        None if item.is_dir else ObjectInfo(item.path, item.size, item.mtime, item.etag), 0.0)
+            node.checked_at = item.checked     # fresh until its TTL runs out, as in the previous daemon
+            node.lookups = _RESTORED
+            self._nodes[item.inode] = node
+            if item.linked and item.path not in self._by_path:
+                self._by_path[item.path] = item.inode
+        top = max((item.inode for item in known), default=0)
+        self._next_inode = itertools.count(max(_FIRST_INODE, top + 1))
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    def __iter__(self):
+        return iter(list(self._nodes.values()))
 
     def get(self, inode: int) -> Node:
         try:
@@ -101,16 +132,26 @@ class NodeTable:
         if node is not None:
             if node.is_dir == is_dir:
                 if info is not None and info.etag != node.etag:
-                    node.update(info, now)
+                    self.update(node, info, now)
                 return node
             self.drop(node)
         node = Node(next(self._next_inode), path, is_dir, info, now)
         self._nodes[node.inode] = node
         self._by_path[path] = node.inode
+        if self.ids is not None:
+            self.ids.node(node.inode, path, is_dir, node.size, node.mtime, node.checked_at, node.etag)
         return node
 
+    def update(self, node: Node, info: ObjectInfo, now: float) -> None:
+        """``node`` names ``info``'s version, current as of ``now`` (a new version is written down)."""
+        changed = info.etag != node.etag or info.size != node.size
+        node.update(info, now)
+        if changed and self.ids is not None and node.inode in self._nodes:
+            self.ids.version(node.inode, node.size, node.mtime, now, node.etag)
+
     def drop(self, node: Node) -> None:
-        self._nodes.pop(node.inode, None)
+        if self._nodes.pop(node.inode, None) is not None and self.ids is not None:
+            self.ids.dropped(node.inode)
         if self._by_path.get(node.path) == node.inode:
             del self._by_path[node.path]
 
@@ -118,16 +159,24 @@ class NodeTable:
         node = self._nodes.get(inode)
         if node is None or inode == ROOT_INODE:
             return
+        if node.lookups >= _RESTORED and count:
+            node.lookups = 0              # a restored node: the kernel evicted it
         node.lookups -= count
         if node.lookups <= 0 and node.opens <= 0:
             self.drop(node)
 
     def unlink(self, path: str) -> None:
-        self._by_path.pop(path, None)     # the kernel may still hold the inode; forget drops it
+        inode = self._by_path.pop(path, None)     # the kernel may still hold the inode; forget drops it
+        if inode is not None and self.ids is not None:
+            self.ids.unlinked(inode)
 
     def move(self, old: str, new: str) -> None:
         inode = self._by_path.pop(old, None)
-        self._by_path.pop(new, None)
+        replaced = self._by_path.pop(new, None)
+        if replaced is not None and self.ids is not None:
+            self.ids.unlinked(replaced)
         if inode is not None:
             self._nodes[inode].path = new
             self._by_path[new] = inode
+            if self.ids is not None:
+                self.ids.moved(inode, new)

@@ -18,9 +18,11 @@ import trio
 
 from cachefs.control.protocol import CONTROL_NAME
 from cachefs.errors import NeedsWait, NoSuchKey, StoreError
+from cachefs.namespace.adopt import Adoption
 from cachefs.namespace.changes import NameChanges
 from cachefs.namespace.dirs import DirHandle, DirSource, DirState, dir_prefix, join, split
-from cachefs.namespace.handles import Handle
+from cachefs.namespace.handles import Handle, fh_inode
+from cachefs.namespace.ids import IdLog
 from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, FsStats, Node, NodeTable
 from cachefs.namespace.packed import PACKED_DIR, PackedView
 from cachefs.namespace.snapshot import ListingSnapshot, NoSnapshot
@@ -29,7 +31,7 @@ from cachefs.singleflight import SingleFlight
 from cachefs.store import Listing, ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
 from cachefs.writeback.engine import Writeback
-from cachefs.writeback.staged import StagedFile
+from cachefs.writeback.staged import StagedFile, Superseded
 
 __all__ = ["CONTROL_INODE", "CONTROL_NAME", "ROOT_INODE", "DirState", "FsError", "FsStats", "Handle", "Node",
            "Vfs", "dir_prefix", "join", "split"]
@@ -39,12 +41,13 @@ log = logging.getLogger(__name__)
 OUTAGE_RETRY = 5.0      # seconds between revalidation attempts while the store is failing
 
 
-class Vfs(NameChanges):
+class Vfs(NameChanges, Adoption):
     def __init__(self, store: ObjectStore, blocks: Tiers, snapshot: ListingSnapshot | None, *,
                  metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None,
                  writeback: Writeback | None = None, fsync_remote: bool = False,
                  source: DirSource | None = None, packed: PackedView | None = None,
-                 retired: Port | None = None, barrier: Port | None = None) -> None:
+                 retired: Port | None = None, barrier: Port | None = None, ids: IdLog | None = None,
+                 generation: int = 0) -> None:
         self.store = store
         self.packed = packed        # a packed dataset's view (namespace/packed.py), also its source
         self.source: DirSource = source if source is not None else store   # what lives under a directory
@@ -62,10 +65,11 @@ class Vfs(NameChanges):
         self.ttl = metadata_ttl
         self.immutable = immutable
         self._limiter = list_limiter or trio.CapacityLimiter(16)
-        self._nodes = NodeTable(time.time())
+        self._nodes = NodeTable(time.time(), ids)
         self._dirs: dict[str, DirState] = {}
         self._listings = SingleFlight()
         self._next_fh = itertools.count(1)
+        self.generation = generation        # 0: a new mount; n: the n-th daemon to serve it (keeper.py)
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, DirHandle] = {}
 
@@ -126,7 +130,7 @@ class Vfs(NameChanges):
         for name, info in state.files.items():
             node = self._nodes.at(join(path, name))
             if node is not None and node.is_store_file:
-                node.update(info, now)
+                self._nodes.update(node, info, now)
 
     def _overlay(self, path: str, state: DirState) -> None:
         """Apply what is written but not yet (or only just) in the store to a fresh listing."""
@@ -252,7 +256,7 @@ class Vfs(NameChanges):
             return
         if info.etag != node.etag:
             log.info("%s changed in the store (ETag %s -> %s)", node.path, node.etag, info.etag)
-        node.update(info, time.time())
+        self._nodes.update(node, info, time.time())
         self._publish(info)
 
     def _publish(self, info: ObjectInfo) -> None:
@@ -267,7 +271,7 @@ class Vfs(NameChanges):
         node = self.node(inode)
         if not node.is_dir:
             raise FsError(errno.ENOTDIR)
-        fh = self.new_fh()
+        fh = self.new_fh(inode)
         self.dir_handles[fh] = DirHandle(node, await self.dir_state(node.path))
         return fh
 
@@ -335,7 +339,7 @@ class Vfs(NameChanges):
     def _open_version(self, node: Node) -> tuple[Handle, bool]:
         keep_cache = node.kernel_etag == node.etag
         node.kernel_etag = node.etag
-        fh = self.new_fh()
+        fh = self.new_fh(node.inode)
         handle = self.handles[fh] = Handle(fh, node, FileVersion(node.path, node.etag, node.size))
         node.opens += 1
         return handle, keep_cache
@@ -347,7 +351,7 @@ class Vfs(NameChanges):
         node.packed = self.packed.ref(node.path, node.size, node.etag, node.row)   # verified anew by each open
         keep_cache = node.kernel_etag == node.etag
         node.kernel_etag = node.etag
-        fh = self.new_fh()
+        fh = self.new_fh(node.inode)
         raw = node.packed.crc is None      # a raw object of the layout is its own file (preload works)
         handle = self.handles[fh] = Handle(fh, node, node.packed.file if raw else None)
         node.opens += 1
@@ -363,7 +367,7 @@ class Vfs(NameChanges):
 
     def read_now(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         """``read`` of a store file whose blocks the memory tier holds (NeedsWait otherwise)."""
-        handle = self.handles[fh]
+        handle = self.handle(fh)
         node = handle.node
         if node.packed is not None or node.staged is not None or handle.entry is not None or handle.file is None:
             raise NeedsWait
@@ -380,7 +384,7 @@ class Vfs(NameChanges):
             self.forget(handle.node.inode, 0)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
-        handle = self.handles[fh]
+        handle = self.handle(fh)
         node = handle.node
         if node.packed is not None:
             return await self.packed.read(node.packed, handle.stream, offset, size)
@@ -416,15 +420,12 @@ class Vfs(NameChanges):
         return self.wb
 
     def _new_handle(self, node: Node, entry: StagedFile | None, *, writable: bool) -> Handle:
-        fh = self.new_fh()
+        fh = self.new_fh(node.inode)
         handle = self.handles[fh] = Handle(fh, node, None, entry, writable)
         node.opens += 1
         if entry is not None:
             self.wb.opened(entry, writable=writable)
         return handle
-
-    def new_fh(self) -> int:
-        return next(self._next_fh)
 
     async def _stage(self, node: Node, *, empty: bool) -> StagedFile:
         """The staged file of ``node``: its own, a new empty one, or a copy of its object."""
@@ -449,7 +450,7 @@ class Vfs(NameChanges):
         return self._new_handle(node, entry, writable=bool(flags & (os.O_WRONLY | os.O_RDWR)))
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
-        handle = self.handles[fh]
+        handle = self.handles.get(fh) or await self.adopt_writer(fh)
         if not handle.writable or handle.entry is None:
             raise FsError(errno.EBADF)
         written = await self.wb.write(handle.entry, offset, data)
@@ -458,19 +459,28 @@ class Vfs(NameChanges):
         return written
 
     async def fsync(self, fh: int) -> None:
-        handle = self.handles[fh]
+        handle = self.handle(fh)
         entry = handle.entry or handle.node.staged
         if entry is not None and entry.readable:
             await self.wb.fsync(entry, remote=self.fsync_remote)
 
-    async def setattr(self, inode: int, size: int | None, mtime: float | None) -> Node:
+    async def setattr(self, inode: int, size: int | None, mtime: float | None, fh: int | None = None) -> Node:
         node = self.node(inode)
         self._writeback()
         if size is not None:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
-            entry = await self._stage(node, empty=size == 0)
-            await self.wb.truncate(entry, size)
+            if fh is not None and fh not in self.handles and fh_inode(fh) == inode:
+                await self.adopt_writer(fh)      # ftruncate on a file a previous daemon opened: a writer
+            for _ in range(3):
+                entry = await self._stage(node, empty=size == 0)
+                try:
+                    await self.wb.truncate(entry, size)
+                    break
+                except Superseded:      # uploaded and retired meanwhile (no writer held it): stage it again
+                    continue
+            else:
+                raise FsError(errno.EAGAIN, f"{node.path}: retired three times during a truncate")
             node.show(entry)
         if mtime is not None and node.staged is not None:
             self.wb.set_mtime(node.staged, mtime)
@@ -512,7 +522,7 @@ class Vfs(NameChanges):
         node = self._nodes.at(entry.path)
         if node is not None and node.staged is entry:
             node.staged = None
-            node.update(info, now)
+            self._nodes.update(node, info, now)
             for handle in self.handles.values():
                 if handle.node is node:
                     handle.file = None
@@ -549,5 +559,5 @@ class Vfs(NameChanges):
         """A newer version of a file (a warmup's HEAD after a 412): show it from now on."""
         node = self._nodes.at(info.path)
         if node is not None and node.is_store_file:
-            node.update(info, time.time())
+            self._nodes.update(node, info, time.time())
         self._publish(info)

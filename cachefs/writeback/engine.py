@@ -407,6 +407,8 @@ class Writeback:
         await self.reserve(entry, size)
         if entry.record.sealed is not None and size < entry.record.sealed:
             await self._seal(entry, size)     # before the cut: a lost regrowth must not pass for sealed
+        if entry.deleted:
+            raise Superseded(f"{entry.path} was retired while its truncate waited")
         os.ftruncate(entry.fd, size)
         self._resize(entry, size)
         entry.touch(size, time.time())

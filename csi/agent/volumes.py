@@ -267,7 +267,7 @@ class VolumeManager:
             raise invalid(f"volume {vol.volume_id}: {exc}") from None
         except CachefsError as exc:
             raise internal(f"volume {vol.volume_id}: {exc}") from None
-        vol.pid = started.pid
+        vol.pid = started.keeper_pid or started.pid     # the keeper outlives the daemons it restarts
         if mounts.state(vol.staging) != "live" or not mounts.same_mount(vol.staging, vol.home):
             mounts.place_view(vol.home, vol.staging, False)
         log.info("volume %s: daemon pid %d mounted at %s, seen at %s (cache %s, %d bytes)", vol.volume_id,
@@ -325,25 +325,39 @@ def _healthy(vol: Volume) -> bool:
 
 
 def daemon_alive(pid: int | None) -> bool:
-    """``pid`` is a running cachefs daemon (pids get reused: check its command line)."""
+    """``pid`` is a running cachefs daemon or the keeper of one (pids get reused: check its
+    command line)."""
     if not pid or not launcher.process_alive(pid):
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return b"_daemon" in fh.read()
+            cmdline = fh.read()
     except OSError:
         return False
+    return b"_daemon" in cmdline or b"_keeper" in cmdline
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(child) for child in fh.read().split()]
+    except OSError:
+        return []
 
 
 def _kill_stale(pid: int | None) -> None:
-    """SIGKILL a wedged old daemon (checked to be a cachefs daemon: pids get reused)."""
+    """SIGKILL a wedged old daemon, or a keeper and the daemons it runs (checked to be cachefs
+    processes: pids get reused). The keeper first, so that it starts no new daemon."""
     if not daemon_alive(pid):
         return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        return
-    launcher.wait_exit(pid, 10)
+    victims = [pid] + [child for child in _children(pid) if daemon_alive(child)]
+    for victim in victims:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError:
+            pass
+    for victim in victims:
+        launcher.wait_exit(victim, 10)
 
 
 def _ensure_dir(path: str) -> None:
