@@ -138,6 +138,8 @@ class Daemon:
         self.ops = Operations(self.vfs, self.control, metrics, self.fuse.kernel, uid=uid, gid=gid,
                               idle_backing_bytes=cfg.cache_size // 4, file_mode=cfg.file_mode,
                               dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
+        if link is not None:
+            metrics.takeovers.set(link.go.get("generation", 0))
         if link is not None and link.takeover:
             self.vfs.restore(list(self.ids.known.nodes.values()))
             self.ops.restore_backings(self.ids.known.backings)

@@ -26,6 +26,9 @@ class Metrics:
         self.mount_info = Info("cachefs_mount", "Which mount this daemon serves: labels mountpoint, url (the dataset, "
                                "never credentials), volume_id (the CSI volume, or empty); join on instance",
                                registry=r)
+        self.takeovers = Gauge("cachefs_takeovers", "Daemons that took this live mount over from a dead or "
+                               "restarted one so far (its keeper's count; 0 for the daemon that mounted it)",
+                               registry=r)
         # tiers: tier in {memory, disk}
         self.tier_hits = Counter("cachefs_tier_hits", "Block reads served by a tier", ["tier"], registry=r)
         self.tier_misses = Counter("cachefs_tier_misses", "Block reads a tier could not serve", ["tier"], registry=r)

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 from mounts import cachefs, is_mounted, put_tree, wait_for
@@ -16,7 +17,7 @@ from mounts import cachefs, is_mounted, put_tree, wait_for
 from benchmarks.handover_campaign import run as campaign
 from cachefs.errors import ExitCode
 from cachefs.launcher import process_alive
-from testing.s3 import s3_client
+from testing.s3 import free_port, s3_client
 
 pytestmark = pytest.mark.fuse
 
@@ -27,6 +28,10 @@ FILES = {f"ds/f{i:03d}.bin": os.urandom(3000 + 97 * i) for i in range(40)}
 def dataset(s3_server, bucket):
     put_tree(s3_client(s3_server.endpoint_url), bucket, "", FILES)
     return f"s3://{bucket}", ("--endpoint-url", s3_server.endpoint_url)
+
+
+def metrics_text(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
 
 def read_all(mnt) -> None:
@@ -54,17 +59,21 @@ def test_restart_hands_the_mount_to_a_new_daemon(s3_server, bucket, tmp_path):
 
 def test_mount_again_hands_over_and_keeps_what_it_must(dataset, mount_factory, tmp_path):
     url, args = dataset
+    port = free_port()
+    args = (*args, "--metrics-port", str(port))
     mnt = mount_factory(url, *args, "--immutable").start()
+    assert "cachefs_takeovers 0.0" in metrics_text(port)
     read_all(mnt)
     before = mnt.status()
-    again = cachefs("mount", url, str(mnt.path), "--cache-dir", str(mnt.cache_dir), "--metrics-port", "0",
-                    *args, "--immutable", "--log-level", "debug")
+    again = cachefs("mount", url, str(mnt.path), "--cache-dir", str(mnt.cache_dir), *args, "--immutable",
+                    "--log-level", "debug")
     assert again.returncode == 0 and "handed to a new daemon" in again.stderr, again.stderr
     after = mnt.status()
     assert after["pid"] != before["pid"] and after["keeper"]["pid"] == before["keeper"]["pid"]
     assert after["keeper"]["restarts"] == 1 and not process_alive(before["pid"])
     read_all(mnt)
     assert after["log_level"] == "debug" and before["log_level"] == "info"      # the new options took
+    assert "cachefs_takeovers 1.0" in metrics_text(port)
     other = cachefs("mount", url, str(mnt.path), "--cache-dir", str(tmp_path / "other"), "--metrics-port", "0", *args)
     assert other.returncode == ExitCode.MOUNTPOINT and "busy" in other.stderr and "cache_dir" in other.stderr
     assert mnt.status()["pid"] == after["pid"]

@@ -4,15 +4,13 @@ waiters and journal replay (docs/design.md, invariant 5). The modules beside it 
 ``uploader`` (one PUT or multipart upload), ``overlay`` (what the namespace sees), ``status``
 and ``commands`` (``cachefs sync``); ``journal`` owns the on-disk format and crash protocol.
 
-The index (``_files`` by path, ``_ops`` for tombstones and directory markers, keyed by record
-slot) is owned by the trio thread; worker threads only read staging files, call the store and
-fsync, under ``CapacityLimiter``s. The namespace uses only the public methods below (``staged``,
-``overlay``, ``space``, the file operations and ``delete``/``make_dir``/``remove_dir``).
+The index (``_files`` by path, ``_ops`` for tombstones and directory markers, by record slot) is
+the trio thread's; worker threads only read staging files, call the store and fsync, under
+limiters. The namespace uses the public methods below (``staged``, ``overlay``, ``space``, ...).
 
 Scheduling: a file is due by its sync class (``SyncPolicy.due``); ``cachefs sync``, a remote
-fsync, a replay at start and a full staging area make files *urgent* (due now). One object key
-is never the target of two store operations at once (``_busy``), so a delete of an old name
-cannot overtake an upload to it.
+fsync, a replay at start and a full staging area make files *urgent* (due now). One object key is
+never the target of two store operations at once (``_busy``): no delete overtakes an upload.
 
 Frozen snapshots without copies: an upload reads ``[0, size)`` of the staging file as it was
 when it started; before the object is made visible it checks that no write went below ``size``
