@@ -92,7 +92,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 def cmd_keeper(args: argparse.Namespace) -> int:
     """Internal: the keeper process started by `mount` (cachefs/keeper.py)."""
     from cachefs.keeper import run_keeper
-    return run_keeper(int(args.ready_fd))
+    return run_keeper(int(args.ready_fd), args.adopt)
 
 
 # ---- umount, sync, status ----------------------------------------------------------------------------
@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.set_defaults(func=cmd_daemon)
     keeper = sub.add_parser("_keeper")
     keeper.add_argument("ready_fd")
+    keeper.add_argument("--adopt", action="store_true")
     keeper.set_defaults(func=cmd_keeper)
     _add_plugin_commands(sub)
     sub.metavar = "{" + ",".join(public_commands(sub)) + "}"

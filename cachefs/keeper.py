@@ -30,6 +30,7 @@ loads no trio and no store code (only when it gives up does it load the FUSE lay
 """
 
 import array
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ _MAX_FDS = 64
 QUICK = 2.0                 # a daemon that dies this soon after it began serving died "quickly"
 MAX_QUICK_DEATHS = 5        # this many quick deaths in a row (a request that kills every daemon): give up
 STANDBY_DELAY = 1.0         # seconds after a daemon begins serving before its standby is started
+ADOPT_TIMEOUT = 60.0        # seconds a keeper taking a mount over waits for the other one's descriptors
 
 
 # ---- messages ------------------------------------------------------------------------------------
@@ -88,9 +90,13 @@ class _Daemon:
 
 
 class Keeper:
-    def __init__(self, config_line: str, secrets_line: str, mountpoint: str, standby: bool) -> None:
+    def __init__(self, config_line: str, secrets_line: str, mountpoint: str, standby: bool,
+                 cache_dir: str | None = None) -> None:
         self.config_line, self.secrets_line = config_line, secrets_line
         self.mountpoint = mountpoint
+        self.cache_dir = cache_dir
+        self.listener: socket.socket | None = None     # another keeper asks for the mount here (keeper.sock)
+        self.migrating: socket.socket | None = None     # ... and this one waits for the descriptors
         self.fds: list[int] = []           # the session's descriptor, then the request loops' clones
         self.negotiated: dict | None = None
         self.devno: str | None = None
@@ -136,11 +142,15 @@ class Keeper:
         self.daemon = daemon
         self.standby_due = time.monotonic() + STANDBY_DELAY
 
-    def run(self, ready_fd: int) -> int:
+    def run(self, ready_fd: int, adopt: bool = False) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._forward)
         first = self._spawn(ready_fd)
         os.close(ready_fd)
+        if adopt:
+            status = self._adopt(first)
+            if status is not None:
+                return status
         self._go(first)
         while True:
             outcome = self._wait()
@@ -158,6 +168,8 @@ class Keeper:
         daemon = self.daemon
         others = [d for d in (self.standby, self.successor) if d is not None]
         watch = [daemon.sock, daemon.pidfd] + [fd for d in others for fd in (d.sock, d.pidfd)]
+        if self.listener is not None and self.migrating is None:
+            watch.append(self.listener)
         timeout = 5.0
         if self.want_standby and self.standby is None and self.fds and not self.stopping:
             timeout = max(0.0, self.standby_due - time.monotonic())
@@ -180,6 +192,8 @@ class Keeper:
                         self._tell(daemon, {"kind": "stop"})     # hand over now: the successor is ready
             if other.pidfd in readable and other.proc.poll() is not None:
                 self._lost(other)
+        if self.listener is not None and self.listener in readable:
+            self._on_migrate()
         if daemon.pidfd in readable:
             return self._on_exit(daemon)
         if (self.want_standby and self.standby is None and self.fds and not self.stopping
@@ -209,6 +223,7 @@ class Keeper:
             self.fds, self.negotiated, self.devno = fds, message["negotiated"], message["devno"]
             log.info("holding the FUSE connection %s of %s (%d descriptor(s))", self.devno, self.mountpoint,
                      len(fds))
+            self._listen()
         elif kind == "clone":
             self.fds.extend(fds)
         elif kind == "restart":
@@ -240,6 +255,8 @@ class Keeper:
             log.info("the daemon (pid %d) of %s exited (status %s) and the mount is gone; the keeper exits",
                      daemon.proc.pid, self.mountpoint, status)
             return status if status >= 0 else 128 - status
+        if self.migrating is not None:
+            return self._hand_to_keeper(daemon, status)
         if status == HANDOVER and self.successor is not None:
             log.info("pid %d handed %s over to pid %d", daemon.proc.pid, self.mountpoint, self.successor.proc.pid)
             successor, self.successor = self.successor, None
@@ -268,6 +285,94 @@ class Keeper:
         self._go(successor)
         return None
 
+    # ---- keeper to keeper (a new node agent's keeper takes the mount: cachefs.launcher.start(adopt)) ----
+    def _listen(self) -> None:
+        """Accept another keeper's request for this mount on ``CACHE_DIR/keeper.sock`` (root only)."""
+        if self.listener is not None or self.cache_dir is None:
+            return
+        try:
+            with _short_path(self.cache_dir, "keeper.sock") as path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                old = os.umask(0o177)
+                try:
+                    listener.bind(path)
+                finally:
+                    os.umask(old)
+            listener.listen(1)
+            self.listener = listener
+        except OSError as exc:
+            log.warning("cannot listen for another keeper in %s: %s", self.cache_dir, exc)
+
+    def _on_migrate(self) -> None:
+        conn, _ = self.listener.accept()
+        message, fds = receive(conn)
+        for fd in fds:
+            os.close(fd)
+        if message is None or message.get("kind") != "migrate" or not self.fds:
+            conn.close()
+            return
+        log.info("another keeper asks for %s: the daemon (pid %d) hands it over", self.mountpoint,
+                 self.daemon.proc.pid)
+        self.migrating = conn
+        self._retire_standby()
+        self.want_standby = False
+        self._tell(self.daemon, {"kind": "stop"})
+
+    def _hand_to_keeper(self, daemon: _Daemon, status: int) -> int:
+        """The daemon stopped (handed over, or died): the waiting keeper gets the descriptors."""
+        conn, self.migrating = self.migrating, None
+        try:
+            send(conn, {"kind": "adopt", "negotiated": self.negotiated, "devno": self.devno,
+                        "generation": self.generation, "restarts": self.restarts}, self.fds)
+        except OSError as exc:
+            log.error("the keeper that asked for %s is gone (%s): a new daemon here takes the mount back",
+                      self.mountpoint, exc)
+            conn.close()
+            self.generation += 1
+            self.restarts += 1
+            self._go(self._spawn(None))
+            return None
+        conn.close()
+        log.info("handed %s to another keeper (the daemon, pid %d, exited %s); this keeper exits",
+                 self.mountpoint, daemon.proc.pid, status)
+        self._release()
+        if self.successor is not None:
+            self.successor.proc.kill()
+        return 0
+
+    def _adopt(self, first: _Daemon) -> int | None:
+        """Take the mount from the keeper that holds it now (on ``CACHE_DIR/keeper.sock``), once
+        ``first`` stands by; None when done, else an exit status (that keeper cannot be reached)."""
+        message, fds = receive(first.sock)          # "standing_by": imported, its store client built
+        for fd in fds:
+            os.close(fd)
+        if message is None:
+            return first.proc.wait() or 1
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with _short_path(self.cache_dir, "keeper.sock") as path:
+                conn.connect(path)
+            send(conn, {"kind": "migrate"})
+            conn.settimeout(ADOPT_TIMEOUT)
+            answer, fds = receive(conn)
+        except OSError as exc:
+            answer, fds = None, []
+            log.error("cannot reach the keeper of %s (%s)", self.mountpoint, exc)
+        finally:
+            conn.close()
+        if answer is None or answer.get("kind") != "adopt" or not fds:
+            log.error("no keeper handed %s over: nothing to adopt", self.mountpoint)
+            first.proc.kill()
+            first.proc.wait()
+            return 1
+        self.fds, self.negotiated, self.devno = fds, answer["negotiated"], answer["devno"]
+        self.generation, self.restarts = answer["generation"] + 1, answer["restarts"] + 1
+        log.info("took %s from another keeper (connection %s)", self.mountpoint, self.devno)
+        self._listen()
+        return None
+
     def _give_up(self, reason: str) -> int:
         from cachefs.fuse.mount import abort
         log.error("%s: aborting the FUSE connection of %s (readers get ENOTCONN; mount it again)", reason,
@@ -293,6 +398,20 @@ class Keeper:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+
+@contextlib.contextmanager
+def _short_path(directory: str, name: str):
+    """``directory/name`` as a path short enough for a unix socket (108 bytes): through
+    ``/proc/self/fd`` of the directory, however deep it is."""
+    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
+    finally:
+        os.close(fd)
 
 
 def _mounted(devno: str) -> bool:
@@ -336,8 +455,9 @@ class Link:
                 "restarts": self.go.get("restarts", 0)}
 
 
-def run_keeper(ready_fd: int) -> int:
-    """The keeper process (``python -m cachefs _keeper READY_FD``): config on stdin, as the daemon's."""
+def run_keeper(ready_fd: int, adopt: bool = False) -> int:
+    """The keeper process (``python -m cachefs _keeper READY_FD [--adopt]``): config on stdin, as the
+    daemon's; ``adopt``: take the live mount from the keeper holding it (a new node agent's)."""
     from cachefs.config import build_config
 
     config_line, _, secrets_line = sys.stdin.read().partition("\n")
@@ -347,4 +467,5 @@ def run_keeper(ready_fd: int) -> int:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
     logging.getLogger().handlers[:] = [handler]
     logging.getLogger().setLevel(logging.INFO)
-    return Keeper(config_line, secrets_line.strip(), cfg.mountpoint, cfg.keeper_standby).run(ready_fd)
+    return Keeper(config_line, secrets_line.strip(), cfg.mountpoint, cfg.keeper_standby,
+                  cfg.cache_dir).run(ready_fd, adopt)

@@ -41,13 +41,15 @@ class StartFailed(CachefsError):
 
 
 def start(cfg: MountConfig, *, env: dict[str, str] | None = None,
-          secrets: dict[str, str] | None = None) -> Started:
+          secrets: dict[str, str] | None = None, adopt: bool = False) -> Started:
     """Start a daemon for ``cfg`` in its own session and return once it is ready.
 
     ``env`` replaces the daemon's environment. ``secrets`` (environment variables such as
     AWS_SECRET_ACCESS_KEY: the CSI driver's credentials) go on the same stdin as the config, as a
     second JSON line, and the daemon sets them in its own ``os.environ`` before opening the store:
     never in argv, in the exec-time environment (/proc/PID/environ) or in a file.
+    ``adopt``: the mount is live, held by another keeper (a previous node agent's); the new keeper
+    takes it over through ``CACHE_DIR/keeper.sock`` instead of mounting (readers pause, never fail).
     Raises StartFailed, StartTimeout or CachefsError, leaving nothing mounted."""
     try:
         os.makedirs(os.path.dirname(cfg.log_path), exist_ok=True)
@@ -55,8 +57,8 @@ def start(cfg: MountConfig, *, env: dict[str, str] | None = None,
     except OSError as exc:
         raise CacheDirError(f"cannot open log file {cfg.log_path}: {exc.strerror}") from None
     ready_r, ready_w = os.pipe()
-    role = "_keeper" if cfg.kept else "_daemon"
-    child = subprocess.Popen([sys.executable, "-m", "cachefs", role, str(ready_w)],
+    role = ["_keeper", str(ready_w), *(["--adopt"] if adopt else [])] if cfg.kept else ["_daemon", str(ready_w)]
+    child = subprocess.Popen([sys.executable, "-m", "cachefs", *role],
                              stdin=subprocess.PIPE, stdout=logfile, stderr=logfile, pass_fds=(ready_w,),
                              start_new_session=True, close_fds=True, env=env)
     os.close(ready_w)

@@ -51,6 +51,9 @@ def register_agent(subparsers) -> None:
     p.add_argument("--agent-metrics-port", type=int, default=9566,
                    help="Prometheus port of the agent's own metrics (volume repairs, abnormal volumes); 0 disables")
     p.add_argument("--check-interval", type=float, default=1.0, help="seconds between liveness checks")
+    p.add_argument("--ready-file", default=None,
+                   help="a file written once the agent serves (after taking over from a running agent): "
+                        "the pod's readiness probe")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run_agent)
 
@@ -85,4 +88,4 @@ def run_agent(args) -> int:
     node = NodeConfig(os.path.abspath(args.state_dir), os.path.abspath(args.cache_root), size,
                       args.volume_slots, args.metrics_port, args.metrics_host,
                       agent_metrics_port=args.agent_metrics_port)
-    return serve_agent(args.socket, node, args.check_interval)
+    return serve_agent(args.socket, node, args.check_interval, args.ready_file)

@@ -48,13 +48,14 @@ class Driver:
     """A node agent and a CSI plugin (`--mode both`) on sockets under ``root``."""
 
     def __init__(self, root: Path, plugin_prefix: list[str] | None = None, metrics_port: int = 0,
-                 agent_metrics_port: int = 0) -> None:
+                 agent_metrics_port: int = 0, agent_prefix: list[str] | None = None) -> None:
         self.root = root
         self.agent_socket = str(root / "agent.sock")
         self.csi_socket = str(root / "csi.sock")
         self.state_dir = root / "state"
         self.cache_root = root / "cache"
         self.plugin_prefix = plugin_prefix or []
+        self.agent_prefix = agent_prefix or []
         self.metrics_port = metrics_port
         self.agent_metrics_port = agent_metrics_port
         self.agent: subprocess.Popen | None = None
@@ -69,14 +70,26 @@ class Driver:
         finally:
             out.close()
 
-    def start_agent(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.agent_socket)          # a killed agent's socket (the new one waits for its own)
+    def start_agent(self, *, replace: bool = False) -> None:
+        """Start an agent; ``replace``: beside the running one, which it takes the volumes from
+        (a rolling update); returns once the new one serves its socket."""
+        old_inode = None
+        if replace:
+            old_inode = os.stat(self.agent_socket).st_ino
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.agent_socket)      # a killed agent's socket (the new one waits for its own)
         self.agent = self._spawn(["csi-agent", "--socket", self.agent_socket, "--state-dir", str(self.state_dir),
                                   "--cache-root", str(self.cache_root), "--cache-size", "2G",
                                   "--metrics-port", str(self.metrics_port), "--check-interval", "0.5",
-                                  "--agent-metrics-port", str(self.agent_metrics_port)], "agent.log", [])
-        wait_for(lambda: os.path.exists(self.agent_socket) or self.agent.poll() is not None, 30, "the agent socket")
+                                  "--agent-metrics-port", str(self.agent_metrics_port)], "agent.log",
+                                 self.agent_prefix)
+
+        def serving() -> bool:
+            with contextlib.suppress(FileNotFoundError):
+                return os.stat(self.agent_socket).st_ino != old_inode
+            return False
+        wait_for(lambda: serving() or self.agent.poll() is not None, 60, "the agent socket")
         assert self.agent.poll() is None, self.log("agent.log")
 
     def start_plugin(self) -> None:

@@ -14,7 +14,11 @@ that path: one a slave copy (``mountPropagation: HostToContainer``), one private
   time the slave container reads the right bytes again within 10 s and never sees an empty
   directory, a read-only target stays read-only in its container; the private container cannot be
   repaired and NodeGetVolumeStats says so until it exits; the agent counts the repairs;
-- unpublish and unstage leave nothing mounted and no daemon behind.
+- unpublish and unstage leave nothing mounted and no daemon behind;
+- a rolling update of the node agent: the agent runs as in its container (its own PID namespace, so
+  every process it starts dies with it); a new agent starts beside it, takes each volume's mount from
+  the old agent's keeper into a keeper of its own, and tells the old agent to exit, whose namespace
+  then dies: the slave and the private containers read on with zero errors.
 """
 
 import contextlib
@@ -33,6 +37,7 @@ import pytest
 from mounts import put_tree, require_fuse
 from test_csi_fixtures import SECRETS, Driver, capability, cleanup_mounts, mounted_under, static_context, wait_for
 
+from cachefs.launcher import process_alive
 from csi.proto import pb
 from testing.s3 import free_port, s3_client
 
@@ -47,7 +52,7 @@ FILES = {f"f{i:02d}.txt": f"file {i} ".encode() * (50 + i) for i in range(20)}
 READER = r"""
 import json, os, sys, time
 view, status, expected, readonly = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "ro"
-ok = err = wrong = missing = written = 0; last_ok = 0.0; names = sorted(expected); i = 0; errors = []
+ok = err = wrong = missing = written = 0; last_ok = 0.0; max_gap = 0.0; names = sorted(expected); i = 0; errors = []
 events = open(status.rsplit(".", 1)[0] + ".log", "a", buffering=1)   # "TIME ok|err" at each change
 state = None
 def mark(now):
@@ -60,7 +65,8 @@ while True:
         with open(os.path.join(view, name), "rb") as fh:
             data = fh.read()
         if data == expected[name].encode():
-            ok += 1; last_ok = time.time(); mark("ok")
+            now = time.time(); max_gap = max(max_gap, now - last_ok) if last_ok else 0.0
+            ok += 1; last_ok = now; mark("ok")
         else:
             wrong += 1
         if i % 10 == 0 and set(names) - set(os.listdir(view)):
@@ -78,7 +84,7 @@ while True:
         err += 1; errors.append(f"{time.time():.2f} {name} {exc.strerror}"); mark("err")
     with open(status + ".tmp", "w") as fh:
         json.dump({"ok": ok, "err": err, "wrong": wrong, "missing": missing, "written": written,
-                   "last_ok": last_ok, "errors": errors[-5:]}, fh)
+                   "last_ok": last_ok, "max_gap": max_gap, "errors": errors[-5:]}, fh)
     os.replace(status + ".tmp", status)
     time.sleep(0.02)
 """
@@ -284,3 +290,76 @@ def recovery_gap(log: Path, killed_at: float) -> float:
     failed = [float(t) for t, kind in events if kind == "err" and float(t) >= killed_at]
     assert failed, "the container saw no failure after the kill"
     return min(float(t) for t, kind in events if kind == "ok" and float(t) > failed[0]) - killed_at
+
+
+def test_a_new_agent_takes_the_volumes_over_without_a_failed_read(kubelet_root, tmp_path, s3_server, bucket):
+    client = s3_client(s3_server.endpoint_url)
+    put_tree(client, bucket, "data", FILES)
+    handle, pv, uid = "vol-update", "pv-update", str(uuid.uuid4())
+    staging = kubelet_root / f"plugins/kubernetes.io/csi/{DRIVER}/{hashlib.sha256(handle.encode()).hexdigest()}/globalmount"
+    target = kubelet_root / f"pods/{uid}/volumes/kubernetes.io~csi/{pv}/mount"
+    for path in (staging, target):
+        path.parent.mkdir(parents=True)
+    (tmp_path / "plugin").mkdir()
+    # The agent's container shares the host's pid namespace (hostPID) but has its own mount table.
+    container = ["unshare", "--mount", "--propagation", "unchanged"]
+    drv = Driver(tmp_path / "plugin", agent_prefix=container, plugin_prefix=container)
+    pods: list[Pod] = []
+    try:
+        drv.start_agent()
+        drv.start_plugin()
+        ctx = static_context(s3_server.endpoint_url, bucket, logSyncPeriod="60")
+        drv.node.NodeStageVolume(pb.NodeStageVolumeRequest(
+            volume_id=handle, staging_target_path=str(staging), volume_capability=capability(), volume_context=ctx,
+            secrets=SECRETS), timeout=120)
+        drv.node.NodePublishVolume(publish_request(handle, staging, target, ctx, uid), timeout=60)
+        slave = Pod(str(target), tmp_path / "slave.json")
+        private = Pod(str(target), tmp_path / "private.json", propagation="private")
+        pods = [slave, private]
+        for pod in pods:
+            wait_for(lambda pod=pod: pod.status()["ok"] >= 20, 30, "the containers' first reads")
+        (target / "written.txt").write_bytes(b"staged before the update")
+        name = sorted(FILES)[0]
+        held = open(target / name, "rb")                # a file a pod holds open across the update
+        old = drv.process_pids()                        # keeper, daemon, standby of the old agent's container
+        assert len(old) == 3, old
+        old_agent = drv.agent
+
+        drv.start_agent(replace=True)                   # the new pod of the DaemonSet (maxSurge)
+        old_agent.wait(timeout=60)                      # the old agent exits: its "container" dies
+        # Nothing of the old container is left running: when its pod goes, nothing is lost.
+        wait_for(lambda: not any(process_alive(pid) for pid in old), 10, "the old container's processes to exit")
+        before = {pod: pod.status()["ok"] for pod in pods}
+        time.sleep(1.0)
+        for pod in pods:
+            status = pod.status()
+            assert status["err"] == 0 and status["wrong"] == 0 and status["missing"] == 0, status
+            assert status["ok"] > before[pod] + 10, status              # still reading, after the old one died
+            print(f"agent update: longest wait between two good reads {status['max_gap'] * 1000:.0f} ms")
+        assert held.read() == FILES[name]
+        held.close()
+        keepers = drv.process_pids()
+        assert len(keepers) == 3 and not set(keepers) & set(old), (keepers, old)
+        assert (target / "written.txt").read_bytes() == b"staged before the update"
+        stats = drv.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id=handle, volume_path=str(target)))
+        assert not stats.volume_condition.abnormal
+        assert "taken over from keeper" in drv.log("agent.log")
+
+        for pod in pods:
+            pod.stop()
+        pods = []
+        drv.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(target)))
+        drv.node.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(staging)),
+                                   timeout=120)
+        assert client.get_object(Bucket=bucket, Key="data/written.txt")["Body"].read() == b"staged before the update"
+        assert mounted_under(kubelet_root) == []
+        wait_for(lambda: drv.process_pids() == [], 10, "the volume's processes to exit")
+    finally:
+        for pod in pods:
+            pod.stop()
+        pids = drv.process_pids()
+        drv.stop()
+        cleanup_mounts(tmp_path)
+        for leftover in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(leftover, signal.SIGKILL)

@@ -10,7 +10,7 @@ import socket
 
 from csi.errors import CsiError
 
-OPS = ("stage", "unstage", "publish", "unpublish", "stats", "list", "ping")
+OPS = ("stage", "unstage", "publish", "unpublish", "stats", "list", "ping", "yield", "exit")
 
 
 def encode(obj: dict) -> bytes:

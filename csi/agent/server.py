@@ -1,5 +1,13 @@
-"""The agent process: a unix-socket server in front of the VolumeManager, and its watchdog."""
+"""The agent process: a unix-socket server in front of the VolumeManager, and its watchdog.
 
+A new agent that finds another one answering on its socket replaces it without a failed read (a
+rolling update of the node-agent DaemonSet with ``maxSurge``): it asks the old one to ``yield``
+(no more repairs, no more requests), takes every live volume's mount from the old agent's keepers
+into keepers of its own (``VolumeManager.take_over_all``; each a ``cachefs restart`` across
+agents), tells the old one to ``exit``, and then serves on the socket.
+"""
+
+import contextlib
 import json
 import logging
 import os
@@ -8,7 +16,7 @@ import threading
 
 from cachefs.errors import UsageError
 from cachefs.metrics import Exporter
-from csi.agent.protocol import OPS, encode
+from csi.agent.protocol import OPS, call, encode
 from csi.agent.volumes import NodeConfig, VolumeManager
 from csi.errors import CsiError
 
@@ -46,6 +54,14 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 raise CsiError("INVALID_ARGUMENT", f"unknown agent operation {op!r}")
             if op == "ping":
                 return {"ok": {"volumes": len(self.manager.volumes)}}
+            if op == "yield":                 # a new agent takes over: no repairs, no requests from now on
+                self.manager.yield_volumes()
+                return {"ok": {"volumes": len(self.manager.volumes)}}
+            if op == "exit":
+                threading.Thread(target=self.shutdown, daemon=True).start()
+                return {"ok": {}}
+            if self.manager.yielded:
+                raise CsiError("UNAVAILABLE", "this node agent is handing its volumes to a new one; retry")
             return {"ok": getattr(self.manager, op)(**args)}
         except CsiError as exc:
             return {"error": {"code": exc.code, "message": exc.message}}
@@ -54,8 +70,24 @@ class AgentServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             return {"error": {"code": "INTERNAL", "message": "internal error in the cachefs node agent; see its log"}}
 
 
-def run_agent(socket_path: str, node: NodeConfig, check_interval: float = 1.0) -> int:
+def _predecessor(socket_path: str) -> bool:
+    """Whether another agent serves ``socket_path``; if so, it has yielded when this returns."""
+    try:
+        call(socket_path, "ping", timeout=5)
+    except CsiError:
+        return False
+    log.info("another node agent serves %s: taking its volumes over", socket_path)
+    call(socket_path, "yield", timeout=120)
+    return True
+
+
+def run_agent(socket_path: str, node: NodeConfig, check_interval: float = 1.0, ready_file: str | None = None) -> int:
+    predecessor = _predecessor(socket_path)
     manager = VolumeManager(node)
+    if predecessor:
+        manager.take_over_all()
+        with contextlib.suppress(CsiError):
+            call(socket_path, "exit", timeout=10)
     try:
         exporter = Exporter(manager.metrics, node.metrics_host, node.agent_metrics_port, tries=1) \
             if node.agent_metrics_port else None
@@ -71,8 +103,11 @@ def run_agent(socket_path: str, node: NodeConfig, check_interval: float = 1.0) -
             except Exception:
                 log.exception("watchdog tick failed")
 
-    manager.check_all()                     # adopt: repair what died while no agent ran
+    manager.check_all()                     # repair what died while no agent ran (or was not taken over)
     threading.Thread(target=watchdog, name="watchdog", daemon=True).start()
+    if ready_file:
+        with open(ready_file, "w") as fh:
+            fh.write(f"{os.getpid()}\n")
     log.info("cachefs csi-agent serving on %s (state %s, cache root %s, %d bytes%s)", socket_path,
              node.state_dir, node.cache_root, node.cache_size,
              f", metrics on {exporter.address}" if exporter else "")

@@ -59,6 +59,7 @@ class VolumeManager:
         self.store = StateStore(node.state_dir)
         self.volumes = self.store.load()
         self._meta = threading.Lock()           # guards self.volumes, allocations and saving
+        self.yielded = False                    # a new agent has taken over: no repairs
         self._locks: dict[str, threading.Lock] = {}
         os.makedirs(node.cache_root, mode=0o700, exist_ok=True)
         if self.volumes:
@@ -214,8 +215,37 @@ class VolumeManager:
                                   "state": mounts.state(v.staging)} for vid, v in self.volumes.items()}}
 
     # ---- daemons -----------------------------------------------------------------------------
+    def yield_volumes(self) -> None:
+        """A new agent takes over: stop repairing (its keepers will hold the volumes), keep the state."""
+        self.yielded = True
+        with self._meta:
+            self.store.save(self.volumes)
+
+    def take_over_all(self) -> None:
+        """Take every live volume from the keepers of the agent this one replaces: a keeper of this
+        agent adopts each mount (``launcher.start(adopt=True)``): readers pause, never fail. A volume
+        that is not live, or whose keeper does not answer, is left to the watchdog's repair."""
+        for vid in list(self.volumes):
+            with self._volume_lock(vid):
+                vol = self.volumes.get(vid)
+                if vol is None or not _healthy(vol):
+                    continue
+                old = vol.pid
+                try:
+                    started = launcher.start(self._config(vol), secrets=self.store.load_secrets(vol.key),
+                                             adopt=True)
+                except CachefsError as exc:
+                    log.warning("volume %s: not taken over (%s); left to the watchdog", vid, exc)
+                    continue
+                vol.pid = started.keeper_pid or started.pid
+                log.info("volume %s: taken over from keeper pid %s by keeper pid %s (daemon pid %d)", vid, old,
+                         vol.pid, started.pid)
+        self._save()
+
     def check_all(self) -> None:
         """The watchdog's tick: repair every staged volume whose mount is not live."""
+        if self.yielded:
+            return
         for vid in list(self.volumes):
             with self._volume_lock(vid):
                 vol = self.volumes.get(vid)
@@ -249,17 +279,21 @@ class VolumeManager:
         log.info("volume %s: mounted again (pid %s) and %d target(s) given a view of the new mount (repair %d)",
                  vol.volume_id, vol.pid, len(vol.targets), vol.repairs)
 
+    def _config(self, vol: Volume):
+        """The mount config of the volume's daemon."""
+        return build_config({**vol.values, "mountpoint": vol.home, "cache_dir": vol.cache_dir,
+                             "cache_size": vol.allocation, "allow_other": True,
+                             "staging_size": vol.values.get("staging_size") or max(MIN_ALLOCATION,
+                                                                                   vol.allocation // 4),
+                             "metrics_port": self.node.metrics_port, "metrics_host": self.node.metrics_host,
+                             "drain_timeout": self.node.drain_timeout, "volume_id": vol.volume_id})
+
     def _start(self, vol: Volume, env: dict[str, str]) -> None:
         """Start the volume's daemon at its home and put a view of it on the staging path."""
         _ensure_dir(vol.staging)
         _ensure_dir(vol.home)
-        values = {**vol.values, "mountpoint": vol.home, "cache_dir": vol.cache_dir,
-                  "cache_size": vol.allocation, "allow_other": True,
-                  "staging_size": vol.values.get("staging_size") or max(MIN_ALLOCATION, vol.allocation // 4),
-                  "metrics_port": self.node.metrics_port, "metrics_host": self.node.metrics_host,
-                  "drain_timeout": self.node.drain_timeout, "volume_id": vol.volume_id}
         try:
-            cfg = build_config(values)
+            cfg = self._config(vol)
             started = launcher.start(cfg, secrets=env)
         except launcher.StartFailed as exc:
             raise CsiError(_EXIT_TO_CODE.get(exc.exit_code, "INTERNAL"), f"volume {vol.volume_id}: {exc}") from None
