@@ -54,6 +54,9 @@ def register_agent(subparsers) -> None:
     p.add_argument("--ready-file", default=None,
                    help="a file written once the agent serves (after taking over from a running agent): "
                         "the pod's readiness probe")
+    p.add_argument("--supervise", action="store_true",
+                   help="run the agent as a child and start it again if it dies, so that the container (and the "
+                        "volumes' keepers in it) outlives the agent process; the DaemonSet's entry point")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run_agent)
 
@@ -85,6 +88,10 @@ def run_agent(args) -> int:
     if size <= 0 or args.volume_slots < 1 or args.check_interval <= 0:
         raise UsageError("--cache-size, --volume-slots and --check-interval must be positive")
     _logging(args.log_level)
+    if args.supervise:
+        from csi.agent.supervise import supervise
+
+        return supervise(sys.argv[1:])
     node = NodeConfig(os.path.abspath(args.state_dir), os.path.abspath(args.cache_root), size,
                       args.volume_slots, args.metrics_port, args.metrics_host,
                       agent_metrics_port=args.agent_metrics_port)

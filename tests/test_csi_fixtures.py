@@ -48,7 +48,8 @@ class Driver:
     """A node agent and a CSI plugin (`--mode both`) on sockets under ``root``."""
 
     def __init__(self, root: Path, plugin_prefix: list[str] | None = None, metrics_port: int = 0,
-                 agent_metrics_port: int = 0, agent_prefix: list[str] | None = None) -> None:
+                 agent_metrics_port: int = 0, agent_prefix: list[str] | None = None,
+                 agent_args: list[str] | None = None) -> None:
         self.root = root
         self.agent_socket = str(root / "agent.sock")
         self.csi_socket = str(root / "csi.sock")
@@ -56,6 +57,7 @@ class Driver:
         self.cache_root = root / "cache"
         self.plugin_prefix = plugin_prefix or []
         self.agent_prefix = agent_prefix or []
+        self.agent_args = agent_args or []
         self.metrics_port = metrics_port
         self.agent_metrics_port = agent_metrics_port
         self.agent: subprocess.Popen | None = None
@@ -82,7 +84,8 @@ class Driver:
         self.agent = self._spawn(["csi-agent", "--socket", self.agent_socket, "--state-dir", str(self.state_dir),
                                   "--cache-root", str(self.cache_root), "--cache-size", "2G",
                                   "--metrics-port", str(self.metrics_port), "--check-interval", "0.5",
-                                  "--agent-metrics-port", str(self.agent_metrics_port)], "agent.log",
+                                  "--agent-metrics-port", str(self.agent_metrics_port), *self.agent_args],
+                                 "agent.log",
                                  self.agent_prefix)
 
         def serving() -> bool:

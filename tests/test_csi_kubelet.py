@@ -15,10 +15,12 @@ that path: one a slave copy (``mountPropagation: HostToContainer``), one private
   directory, a read-only target stays read-only in its container; the private container cannot be
   repaired and NodeGetVolumeStats says so until it exits; the agent counts the repairs;
 - unpublish and unstage leave nothing mounted and no daemon behind;
-- a rolling update of the node agent: the agent runs as in its container (its own PID namespace, so
-  every process it starts dies with it); a new agent starts beside it, takes each volume's mount from
-  the old agent's keeper into a keeper of its own, and tells the old agent to exit, whose namespace
-  then dies: the slave and the private containers read on with zero errors.
+- a rolling update of the node agent (the agent in a mount namespace of its own, the host's PIDs as
+  with hostPID): a new agent starts beside it, takes each volume's mount from the old agent's keeper
+  into a keeper of its own, and tells the old agent to exit; nothing of the old "container" is left
+  running, and the slave and the private containers read on with zero errors, a file held open too;
+- kill -9 the node agent three times under ``--supervise``: the supervisor starts it again, the
+  keepers serve on, nothing is repaired, and the containers read on with zero errors.
 """
 
 import contextlib
@@ -292,35 +294,99 @@ def recovery_gap(log: Path, killed_at: float) -> float:
     return min(float(t) for t, kind in events if kind == "ok" and float(t) > failed[0]) - killed_at
 
 
+class Staged:
+    """A volume staged and published by an agent and a plugin, each in a "container" of its own (the
+    agent's shares the host's PID namespace, as with hostPID, and has its own mount table), read by a
+    slave and a private container; a file written and one held open."""
+
+    def __init__(self, tmp_path: Path, agent_args: list[str]) -> None:
+        (tmp_path / "plugin").mkdir()
+        container = ["unshare", "--mount", "--propagation", "unchanged"]
+        self.drv = Driver(tmp_path / "plugin", agent_prefix=container, plugin_prefix=container,
+                          agent_args=agent_args)
+        self.pods: list[Pod] = []
+        self.held = None
+
+    def start(self, kubelet_root: Path, tmp_path: Path, endpoint: str, bucket: str) -> None:
+        handle, pv, uid = "vol-update", "pv-update", str(uuid.uuid4())
+        digest = hashlib.sha256(handle.encode()).hexdigest()
+        self.handle = handle
+        self.staging = kubelet_root / f"plugins/kubernetes.io/csi/{DRIVER}/{digest}/globalmount"
+        self.target = kubelet_root / f"pods/{uid}/volumes/kubernetes.io~csi/{pv}/mount"
+        for path in (self.staging, self.target):
+            path.parent.mkdir(parents=True)
+        self.drv.start_agent()
+        self.drv.start_plugin()
+        ctx = static_context(endpoint, bucket, logSyncPeriod="60")
+        self.drv.node.NodeStageVolume(pb.NodeStageVolumeRequest(
+            volume_id=handle, staging_target_path=str(self.staging), volume_capability=capability(),
+            volume_context=ctx, secrets=SECRETS), timeout=120)
+        self.drv.node.NodePublishVolume(publish_request(handle, self.staging, self.target, ctx, uid), timeout=60)
+        self.pods = [Pod(str(self.target), tmp_path / "slave.json"),
+                     Pod(str(self.target), tmp_path / "private.json", propagation="private")]
+        for pod in self.pods:
+            wait_for(lambda pod=pod: pod.status()["ok"] >= 20, 30, "the containers' first reads")
+        (self.target / "written.txt").write_bytes(b"staged before the update")
+        self.name = sorted(FILES)[0]
+        self.held = open(self.target / self.name, "rb")     # a file a pod holds open across it all
+
+    def assert_read_on(self, what: str) -> None:
+        """The containers read on, with no failure, after ``what``; the open file too."""
+        before = {pod: pod.status()["ok"] for pod in self.pods}
+        time.sleep(1.0)
+        for pod in self.pods:
+            status = pod.status()
+            assert status["err"] == 0 and status["wrong"] == 0 and status["missing"] == 0, status
+            assert status["ok"] > before[pod] + 10, status
+            print(f"{what}: longest wait between two good reads {status['max_gap'] * 1000:.0f} ms")
+        self.held.seek(0)
+        assert self.held.read() == FILES[self.name]
+        assert (self.target / "written.txt").read_bytes() == b"staged before the update"
+        stats = self.drv.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id=self.handle,
+                                                                              volume_path=str(self.target)))
+        assert not stats.volume_condition.abnormal
+
+    def tear_down(self, client, bucket: str, kubelet_root: Path) -> None:
+        """Unpublish and unstage: the write reaches the bucket, nothing is left mounted or running."""
+        self.close()
+        self.drv.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id=self.handle,
+                                                                        target_path=str(self.target)))
+        self.drv.node.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(
+            volume_id=self.handle, staging_target_path=str(self.staging)), timeout=120)
+        assert client.get_object(Bucket=bucket, Key="data/written.txt")["Body"].read() == b"staged before the update"
+        assert mounted_under(kubelet_root) == []
+        wait_for(lambda: self.drv.process_pids() == [], 10, "the volume's processes to exit")
+
+    def close(self) -> None:
+        for pod in self.pods:
+            pod.stop()
+        self.pods = []
+        if self.held is not None:
+            self.held.close()
+            self.held = None
+
+
+@contextlib.contextmanager
+def staged(kubelet_root: Path, tmp_path: Path, endpoint: str, bucket: str, agent_args: list[str] | None = None):
+    vol = Staged(tmp_path, agent_args or [])
+    try:
+        vol.start(kubelet_root, tmp_path, endpoint, bucket)
+        yield vol
+    finally:
+        vol.close()
+        pids = vol.drv.process_pids()
+        vol.drv.stop()
+        cleanup_mounts(tmp_path)
+        for leftover in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(leftover, signal.SIGKILL)
+
+
 def test_a_new_agent_takes_the_volumes_over_without_a_failed_read(kubelet_root, tmp_path, s3_server, bucket):
     client = s3_client(s3_server.endpoint_url)
     put_tree(client, bucket, "data", FILES)
-    handle, pv, uid = "vol-update", "pv-update", str(uuid.uuid4())
-    staging = kubelet_root / f"plugins/kubernetes.io/csi/{DRIVER}/{hashlib.sha256(handle.encode()).hexdigest()}/globalmount"
-    target = kubelet_root / f"pods/{uid}/volumes/kubernetes.io~csi/{pv}/mount"
-    for path in (staging, target):
-        path.parent.mkdir(parents=True)
-    (tmp_path / "plugin").mkdir()
-    # The agent's container shares the host's pid namespace (hostPID) but has its own mount table.
-    container = ["unshare", "--mount", "--propagation", "unchanged"]
-    drv = Driver(tmp_path / "plugin", agent_prefix=container, plugin_prefix=container)
-    pods: list[Pod] = []
-    try:
-        drv.start_agent()
-        drv.start_plugin()
-        ctx = static_context(s3_server.endpoint_url, bucket, logSyncPeriod="60")
-        drv.node.NodeStageVolume(pb.NodeStageVolumeRequest(
-            volume_id=handle, staging_target_path=str(staging), volume_capability=capability(), volume_context=ctx,
-            secrets=SECRETS), timeout=120)
-        drv.node.NodePublishVolume(publish_request(handle, staging, target, ctx, uid), timeout=60)
-        slave = Pod(str(target), tmp_path / "slave.json")
-        private = Pod(str(target), tmp_path / "private.json", propagation="private")
-        pods = [slave, private]
-        for pod in pods:
-            wait_for(lambda pod=pod: pod.status()["ok"] >= 20, 30, "the containers' first reads")
-        (target / "written.txt").write_bytes(b"staged before the update")
-        name = sorted(FILES)[0]
-        held = open(target / name, "rb")                # a file a pod holds open across the update
+    with staged(kubelet_root, tmp_path, s3_server.endpoint_url, bucket) as vol:
+        drv = vol.drv
         old = drv.process_pids()                        # keeper, daemon, standby of the old agent's container
         assert len(old) == 3, old
         old_agent = drv.agent
@@ -329,37 +395,45 @@ def test_a_new_agent_takes_the_volumes_over_without_a_failed_read(kubelet_root, 
         old_agent.wait(timeout=60)                      # the old agent exits: its "container" dies
         # Nothing of the old container is left running: when its pod goes, nothing is lost.
         wait_for(lambda: not any(process_alive(pid) for pid in old), 10, "the old container's processes to exit")
-        before = {pod: pod.status()["ok"] for pod in pods}
-        time.sleep(1.0)
-        for pod in pods:
-            status = pod.status()
-            assert status["err"] == 0 and status["wrong"] == 0 and status["missing"] == 0, status
-            assert status["ok"] > before[pod] + 10, status              # still reading, after the old one died
-            print(f"agent update: longest wait between two good reads {status['max_gap'] * 1000:.0f} ms")
-        assert held.read() == FILES[name]
-        held.close()
+        vol.assert_read_on("agent update")
         keepers = drv.process_pids()
         assert len(keepers) == 3 and not set(keepers) & set(old), (keepers, old)
-        assert (target / "written.txt").read_bytes() == b"staged before the update"
-        stats = drv.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id=handle, volume_path=str(target)))
-        assert not stats.volume_condition.abnormal
         assert "taken over from keeper" in drv.log("agent.log")
+        vol.tear_down(client, bucket, kubelet_root)
 
-        for pod in pods:
-            pod.stop()
-        pods = []
-        drv.node.NodeUnpublishVolume(pb.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(target)))
-        drv.node.NodeUnstageVolume(pb.NodeUnstageVolumeRequest(volume_id=handle, staging_target_path=str(staging)),
-                                   timeout=120)
-        assert client.get_object(Bucket=bucket, Key="data/written.txt")["Body"].read() == b"staged before the update"
-        assert mounted_under(kubelet_root) == []
-        wait_for(lambda: drv.process_pids() == [], 10, "the volume's processes to exit")
-    finally:
-        for pod in pods:
-            pod.stop()
-        pids = drv.process_pids()
-        drv.stop()
-        cleanup_mounts(tmp_path)
-        for leftover in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(leftover, signal.SIGKILL)
+
+def agent_process(drv: Driver) -> int | None:
+    """The agent a supervising ``csi-agent --supervise`` runs (its child), once it serves."""
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == drv.agent.pid:
+                return int(entry)
+    return None
+
+
+def test_the_agent_killed_under_supervise_costs_no_read(kubelet_root, tmp_path, s3_server, bucket):
+    """SIGKILL of the node agent: its supervisor (the container's main process) starts it again, the
+    keepers serve on meanwhile, and the new agent finds every volume live: nothing to repair."""
+    client = s3_client(s3_server.endpoint_url)
+    put_tree(client, bucket, "data", FILES)
+    with staged(kubelet_root, tmp_path, s3_server.endpoint_url, bucket, ["--supervise"]) as vol:
+        drv = vol.drv
+        keepers = drv.process_pids()
+        assert len(keepers) == 3, keepers
+        for kill in range(1, 4):
+            agent = agent_process(drv)
+            assert agent is not None
+            os.kill(agent, signal.SIGKILL)
+            wait_for(lambda agent=agent: agent_process(drv) not in (None, agent), 30, "the agent to start again")
+            wait_for(lambda kill=kill: (drv.root / "agent.log").read_text().count("csi-agent serving on") == kill + 1, 30,
+                     "the new agent to serve")
+            assert drv.agent.poll() is None                 # the container lives on
+            vol.assert_read_on("agent SIGKILL")
+        assert drv.process_pids() == keepers                # the same keepers, daemon and standby
+        log = (drv.root / "agent.log").read_text()
+        assert log.count("died (signal 9)") == 3 and "mounting it again" not in log, log
+        vol.tear_down(client, bucket, kubelet_root)
+        drv.agent.terminate()                               # the pod goes: SIGTERM reaches the agent
+        assert drv.agent.wait(timeout=30) == 0
+        assert agent_process(drv) is None

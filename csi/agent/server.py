@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socketserver
 import threading
 
@@ -95,6 +96,8 @@ def run_agent(socket_path: str, node: NodeConfig, check_interval: float = 1.0, r
         raise UsageError(f"--agent-metrics-port: {exc}") from None
     server = AgentServer(socket_path, manager)
     stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):         # the pod goes: stop serving, leave the keepers be
+        signal.signal(sig, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
 
     def watchdog() -> None:
         while not stop.wait(check_interval):
