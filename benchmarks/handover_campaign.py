@@ -120,8 +120,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str = "kill", immutable: bool = False,
-        standby: bool = True, files: int = 300, readers: int = 8, seed: int = 0) -> tuple[dict, list[str]]:
-    """One campaign; returns (figures, problems)."""
+        standby: bool = True, files: int = 300, readers: int = 8, seed: int = 0,
+        resend: bool = True) -> tuple[dict, list[str]]:
+    """One campaign; returns (figures, problems). ``resend=False`` plays a kernel before 6.9: the
+    daemons never ask for resends, and what a dead one had read is answered from its in-flight log."""
     from cachefs import launcher
     from cachefs.cli import build_parser, config_from_args
     from testing.s3 import s3_client
@@ -138,7 +140,12 @@ def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str 
             "--log-file", str(log_file), "--metrics-port", "0", "--log-sync-period", "0.3",
             "--checkpoint-quiet-period", "0.5", "--upload-part-size", "5M",
             *(["--immutable"] if immutable else []), *([] if standby else ["--no-keeper-standby"])]
-    started = launcher.start(config_from_args(build_parser().parse_args(args)))
+    if not resend:
+        os.environ["CACHEFS_TEST_NO_RESEND"] = "1"          # inherited by the keeper and its daemons
+    try:
+        started = launcher.start(config_from_args(build_parser().parse_args(args)))
+    finally:
+        os.environ.pop("CACHEFS_TEST_NO_RESEND", None)
     keeper = started.keeper_pid
     problems: list[str] = []
     writer = None
@@ -202,7 +209,9 @@ def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str 
             problems.append(f"umount: {result.stderr.strip()}")
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
     pauses = [readers_.pause(at) for at in kill_times]
-    builds = [float(ms) for ms in re.findall(r"took over .* in (\d+) ms", log_file.read_text())]
+    log_text = log_file.read_text()
+    builds = [float(ms) for ms in re.findall(r"took over .* in (\d+) ms", log_text)]
+    figures["replayed_requests"] = sum(int(n) for n in re.findall(r"answering (\d+) request\(s\)", log_text))
     figures.update(reads=readers_.reads, bytes_verified=readers_.bytes, read_errors=len(readers_.errors),
                    wrong_reads=len(readers_.wrong),
                    pause_ms={"p50": round(percentile(pauses, 0.5) * 1000, 1),
@@ -220,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("kill", "restart"), default="kill")
     parser.add_argument("--immutable", action="store_true", help="a read-only dataset mount (passthrough), no writer")
     parser.add_argument("--no-standby", dest="standby", action="store_false")
+    parser.add_argument("--no-resend", dest="resend", action="store_false",
+                        help="play a kernel before 6.9: the in-flight log answers what a dead daemon had read")
     parser.add_argument("--files", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--endpoint-url")
@@ -236,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             endpoint, bucket = server.endpoint_url, "handover"
             make_bucket(endpoint, bucket)
         figures, problems = run(endpoint, bucket, Path(tmp), kills=args.kills, mode=args.mode,
-                                immutable=args.immutable, standby=args.standby, files=args.files, seed=args.seed)
+                                immutable=args.immutable, standby=args.standby, files=args.files, seed=args.seed,
+                                resend=args.resend)
     print(json.dumps({**figures, "problems": problems[:50]}))
     return 1 if problems else 0
 

@@ -150,7 +150,7 @@ class MountConfig:
         "shown": "cachefs"})
     keeper: bool = field(default=True, metadata={
         "help": "the mount outlives its daemon: a small keeper process holds the FUSE connection and starts a "
-                "new daemon when one dies (readers pause, never fail; Linux 6.9+), and `cachefs restart` "
+                "new daemon when one dies (readers pause, never fail), and `cachefs restart` "
                 "upgrades a live mount; off with --foreground and --fuse-backend pyfuse3"})
     keeper_standby: bool = field(default=True, metadata={
         "help": "with --keeper, a second daemon waits with its code loaded to take over at once after a "

@@ -80,7 +80,8 @@ class Daemon:
             cloned.connect(link.clone)
         self.fuse = fuse.backend(cfg.fuse_backend, fuse.SessionOptions(
             max_background=cfg.fuse_max_background, congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4),
-            passthrough=no_passthrough is None, loops=cfg.fuse_loops), cloned)
+            passthrough=no_passthrough is None, loops=cfg.fuse_loops,
+            inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if link is not None else None), cloned)
         self.store = store
         self.metrics = metrics
         self.started = time.time()
@@ -355,7 +356,8 @@ async def _tune_then_ready(daemon: Daemon, on_ready: Callable[[], None]) -> None
         entry = find_mount(cfg.mountpoint)
         session = daemon.fuse.session
         if entry is not None:
-            link.mounted(session.descriptors(), session.negotiated.export(), entry[0])
+            link.mounted(session.descriptors(), dict(session.negotiated.export(), inflight=session.inflight is not None),
+                         entry[0])
     on_ready()
 
 

@@ -7,14 +7,15 @@ daemon has mounted, it sends the keeper its descriptors (the session's and each 
 clone, SCM_RIGHTS) and what INIT settled. When the daemon dies (SIGKILL, OOM, a crash) while the
 filesystem is still mounted, the keeper starts a new daemon and passes it all of that: the new
 daemon adopts the connection without INIT, asks the kernel to send again every request that was
-read but not answered (``FUSE_NOTIFY_RESEND``, Linux 6.9+), takes the node ids and backing ids of
+read but not answered (``FUSE_NOTIFY_RESEND``, Linux 6.9+; on older kernels it answers them from
+the in-flight log its predecessor kept, ``fuse/inflight.py``), takes the node ids and backing ids of
 its predecessor from the id log (``namespace/ids.py``) and serves on. Readers see a pause, never
 an error. ``cachefs restart MOUNTPOINT`` does the same on purpose (a new cachefs version): the
 keeper starts the new daemon first, lets it import everything, and then tells the old one to
 stop reading, finish what it is serving and exit (``HANDOVER``).
 
-When no new daemon can serve (five failures in a minute), or the kernel cannot resend, the keeper
-aborts the connection (readers get ENOTCONN at once, as with no keeper) rather than leave callers
+When no new daemon can serve (five failures in a minute), or the kernel cannot resend and the
+daemon kept no in-flight log, the keeper aborts the connection (readers get ENOTCONN at once, as with no keeper) rather than leave callers
 hanging on requests nobody will answer. A daemon that exits 0 has unmounted: the keeper exits too.
 
 A standby daemon (``keeper_standby``) waits beside the serving one, its modules imported, so a
@@ -265,9 +266,9 @@ class Keeper:
             why = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
             log.warning("the daemon of %s (pid %d) died (%s): a new one takes the live connection over",
                         self.mountpoint, daemon.proc.pid, why)
-            if not self.negotiated or not self.negotiated.get("resend"):
+            if not self.negotiated or not (self.negotiated.get("resend") or self.negotiated.get("inflight")):
                 return self._give_up("the kernel cannot send again the requests the dead daemon had read "
-                                     "(FUSE_NOTIFY_RESEND needs Linux 6.9)")
+                                     "(FUSE_NOTIFY_RESEND needs Linux 6.9) and no in-flight log was kept")
             quick = time.monotonic() - daemon.serving_since < QUICK
             self.quick_deaths = self.quick_deaths + 1 if quick else 0
             if self.quick_deaths > MAX_QUICK_DEATHS:

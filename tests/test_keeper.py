@@ -120,13 +120,32 @@ def test_a_daemon_that_dies_as_it_serves_makes_the_keeper_give_up_not_hang(datas
 
 
 @pytest.mark.allow_warnings
-def test_without_resend_a_dead_daemon_ends_the_mount_at_once(dataset, mount_factory, monkeypatch):
-    """A kernel that cannot resend (before 6.9): requests the dead daemon had read would hang
-    forever, so the keeper aborts the connection instead: readers fail fast, as with no keeper."""
+def test_without_resend_the_inflight_log_answers_what_the_dead_daemon_read(s3_server, bucket, tmp_path):
+    """A kernel that cannot resend (before 6.9, played with CACHEFS_TEST_NO_RESEND=1): each daemon
+    keeps the requests it reads in the in-flight log, and the next one answers those a dead one
+    left: readers and the writer see no error, no wrong byte and lose nothing acknowledged."""
+    figures, problems = campaign(s3_server.endpoint_url, bucket, tmp_path, kills=4, files=60, readers=4, seed=7,
+                                 resend=False)
+    assert problems == [], "\n".join(problems[:20])
+    assert figures["read_errors"] == 0 and figures["wrong_reads"] == 0 and figures["reads"] > 1000
+    assert figures["keeper"]["generation"] == 4 and figures["ops_acked"] > 20
+    assert figures["replayed_requests"] > 0            # some kills found requests read and not answered
+    log_text = (tmp_path / "cachefs.log").read_text()
+    assert "requests in flight sent again" not in log_text and "aborting" not in log_text
+
+
+@pytest.mark.allow_warnings
+def test_without_resend_or_inflight_log_a_dead_daemon_ends_the_mount_at_once(dataset, mount_factory, monkeypatch):
+    """No resend and no in-flight log (it cannot be created: a directory holds its name): requests
+    the dead daemon had read would hang forever, so the keeper aborts the connection instead:
+    readers fail fast, as with no keeper."""
     monkeypatch.setenv("CACHEFS_TEST_NO_RESEND", "1")
     url, args = dataset
-    mnt = mount_factory(url, *args).start()
+    mnt = mount_factory(url, *args)
+    (mnt.cache_dir / "fuse-inflight").mkdir(parents=True)
+    mnt.start()
     read_all(mnt)
+    assert mnt.status()["fuse"]["inflight_log"] is None
     keeper = mnt.keeper_pid
     errors: list[int] = []
 
@@ -146,7 +165,8 @@ def test_without_resend_a_dead_daemon_ends_the_mount_at_once(dataset, mount_fact
     mnt.keeper_pid = mnt.pid = None
     with pytest.raises(OSError):
         (mnt / "ds/f000.bin").read_bytes()
-    assert "cannot send again" in (mnt.cache_dir / "cachefs.log").read_text()
+    log_text = (mnt.cache_dir / "cachefs.log").read_text()
+    assert "cannot keep the in-flight log" in log_text and "cannot send again" in log_text
 
 
 def test_no_keeper_means_no_restart_and_a_crash_ends_the_mount(dataset, mount_factory):

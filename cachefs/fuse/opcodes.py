@@ -114,7 +114,7 @@ class Opcodes:
                                 1, abi.MAX_PAGES_VALUE, 0, agreed >> 32, 1 if agreed & abi.PASSTHROUGH else 0)
         self.reply(req, out)
         log.info("FUSE 7.%d (kernel 7.%d): %s", n.minor, minor, abi.flag_names(agreed))
-        self._initialized.set()
+        self.initialized()
 
     def _destroy(self, req: Request) -> None:
         self.reply(req)

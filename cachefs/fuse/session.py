@@ -11,6 +11,9 @@ A session may also adopt a connection another process mounted and initialized (`
 daemon taking over a live mount, ``cachefs/keeper.py``): it skips INIT, keeps what INIT settled,
 and first asks the kernel to send again every request read but not answered
 (``FUSE_NOTIFY_RESEND``); a resent request's unique has bit 63 set and is answered as received.
+Where the kernel cannot resend (before Linux 6.9), a session under a keeper reads each request
+straight into a slot of an in-flight log that outlives it, freed once the request is answered
+(``inflight.py``); a session that adopts the connection answers what its predecessor left there.
 ``stop_reading`` ends the reading and lets the requests in hand be answered (a hand-over).
 
 Errors: a handler's ``FuseError`` is its answer; an exception the ``Operations`` layer let through
@@ -31,6 +34,7 @@ import trio
 
 from cachefs.errors import CachefsError, NeedsWait
 from cachefs.fuse import abi, mount
+from cachefs.fuse.inflight import InflightLog
 from cachefs.fuse.mount import MountOptions
 from cachefs.fuse.opcodes import Opcodes
 from cachefs.fuse.types import Context, FuseError
@@ -53,6 +57,7 @@ class SessionOptions:
     passthrough: bool = False           # ask for FUSE_PASSTHROUGH (where the kernel offers it)
     readdirplus: bool = True
     loops: int = 0                      # extra request loops: threads reading cloned descriptors
+    inflight: str | None = None         # the in-flight log's path (a mount under a keeper)
 
 
 @dataclass(slots=True)
@@ -88,16 +93,18 @@ RESENT = 1 << 63          # the bit the kernel sets in the unique of a request i
 
 
 class Request:
-    __slots__ = ("opcode", "unique", "nodeid", "uid", "gid", "pid", "body", "fd")
+    __slots__ = ("opcode", "unique", "nodeid", "uid", "gid", "pid", "body", "fd", "slot", "replayed")
 
-    def __init__(self, data: memoryview, fd: int) -> None:
+    def __init__(self, data: memoryview, fd: int, slot: int = -1, replayed: bool = False) -> None:
         self.fd = fd                  # the descriptor it was read from: its answer goes there
+        self.slot = slot              # its slot in the in-flight log (-1: none)
+        self.replayed = replayed      # read by a dead predecessor, found in the in-flight log
         (length, self.opcode, self.unique, self.nodeid, self.uid, self.gid, self.pid,
          _ext, _pad) = abi.IN_HEADER.unpack_from(data)
         self.body = data[abi.IN_HEADER.size:length]
 
     def ctx(self) -> Context:
-        return Context(self.uid, self.gid, self.pid, resent=bool(self.unique & RESENT))
+        return Context(self.uid, self.gid, self.pid, resent=self.replayed or bool(self.unique & RESENT))
 
     def name(self, start: int = 0) -> bytes:
         """The NUL-terminated name at ``start`` of the body."""
@@ -131,12 +138,15 @@ class Session(Opcodes):
         self._given_clones: list[int] = []
         self._reading: trio.CancelScope | None = None
         self._in_hand = 0             # requests being answered by tasks
+        self._adopted_fds: list[int] = []
+        self.inflight: InflightLog | None = None     # kept while the kernel cannot resend
         self.cloned = cloned if cloned is not None else Port("cloned")   # each new clone (the keeper holds it too)
 
     def adopt(self, fds: list[int], negotiated: dict, mountpoint: str) -> None:
         """Serve the connection of ``fds`` (the session's descriptor, then clones for the request
         loops), mounted and initialized by a previous daemon: no INIT comes again."""
         self.fd, self._given_clones = fds[0], list(fds[1:])
+        self._adopted_fds = list(fds)
         self.mountpoint = mountpoint
         self.negotiated = Negotiated.adopt(negotiated)
         self._adopted = True
@@ -189,8 +199,11 @@ class Session(Opcodes):
                 log.info("took over the FUSE connection (7.%d, %s)%s", self.negotiated.minor,
                          abi.flag_names(self.negotiated.flags),
                          "; requests in flight sent again" if self.negotiated.resend else "")
+                if not self.negotiated.resend and self.options.inflight:
+                    self._open_inflight(fresh=False)
             task_status.started()
             try:
+                self._replay()
                 nursery.start_soon(self._start_loops)
                 with trio.CancelScope() as self._reading:
                     await self._loop(buf, view)
@@ -201,6 +214,42 @@ class Session(Opcodes):
             finally:
                 nursery.cancel_scope.cancel()
                 self._nursery = None
+
+    # ---- the in-flight log (kernels without FUSE_NOTIFY_RESEND) -------------------------------------
+    def initialized(self) -> None:
+        """INIT is answered: keep requests in flight where the kernel cannot send them again."""
+        if self.options.inflight and not self.negotiated.resend:
+            self._open_inflight(fresh=True)
+        self._initialized.set()
+
+    def _open_inflight(self, *, fresh: bool) -> None:
+        try:
+            self.inflight = InflightLog(self.options.inflight, fresh=fresh)
+        except (OSError, ValueError) as exc:
+            log.error("cannot keep the in-flight log %s (%s): a daemon that dies leaves the requests it "
+                      "had read unanswered", self.options.inflight, exc)
+
+    def _replay(self) -> None:
+        """Handle what the dead predecessor had read and not answered, before any new request."""
+        if self.inflight is None:
+            return
+        pending = self.inflight.pending()
+        for slot, index, data in pending:
+            if index >= len(self._adopted_fds):
+                self.inflight.done(slot)
+                continue
+            self._dispatch(memoryview(data), self._adopted_fds[index], slot, replayed=True)
+        if pending:
+            log.info("answering %d request(s) the previous daemon had read, from the in-flight log", len(pending))
+
+    def _slot(self, index: int, buf: bytearray) -> tuple[int, memoryview]:
+        """Where to read the next request from descriptor ``index``: a slot of the in-flight log,
+        or (slot -1) the loop's own buffer when there is no log or no free slot."""
+        if self.inflight is not None:
+            reserved = self.inflight.reserve(index)
+            if reserved is not None:
+                return reserved
+        return -1, memoryview(buf)
 
     # ---- extra request loops: threads on cloned descriptors -----------------------------------------
     async def _start_loops(self) -> None:
@@ -224,42 +273,48 @@ class Session(Opcodes):
                     return
                 self.cloned(fd)
             self._clones.append(fd)
-            threading.Thread(target=self._clone_loop, args=(fd,), name=f"fuse-loop-{i + 1}", daemon=True).start()
+            threading.Thread(target=self._clone_loop, args=(fd, len(self._clones)), name=f"fuse-loop-{i + 1}",
+                             daemon=True).start()
         log.info("%d extra FUSE request loop(s) on cloned descriptors", self.options.loops)
         for fd in self._given_clones:     # more clones than loops now: the kernel resent their requests
             self._clones.append(fd)
         self._given_clones = []
 
-    def _clone_loop(self, fd: int) -> None:
+    def _clone_loop(self, fd: int, index: int) -> None:
         buf = bytearray(abi.BUFFER_SIZE)
+        slot, into = self._slot(index, buf)
         while not self._stop:
             try:
-                length = os.readv(fd, [buf])
+                length = os.readv(fd, [into])
             except OSError as exc:
                 if exc.errno in (errno.ENOENT, errno.EINTR):
                     continue
                 return                       # ENODEV: unmounted; EBADF: closed
+            data = into[:length] if slot >= 0 else bytes(into[:length])     # a slot stays its request's
             with self._inbox_lock:
-                self._inbox.append((bytes(buf[:length]), fd))
+                self._inbox.append((data, fd, slot))
                 wake = len(self._inbox) == 1
             if wake:
                 try:
                     self._token.run_sync_soon(self._drain_inbox)
                 except trio.RunFinishedError:
                     return
+            if slot >= 0 or self.inflight is not None:
+                slot, into = self._slot(index, buf)
 
     def _drain_inbox(self) -> None:
         with self._inbox_lock:
             batch, self._inbox = self._inbox, []
-        for data, fd in batch:
+        for data, fd, slot in batch:
             self.requests += 1
-            self._dispatch(memoryview(data), fd)
+            self._dispatch(data if slot >= 0 else memoryview(data), fd, slot)
 
     async def _loop(self, buf: bytearray, view: memoryview) -> None:
         burst = 0
+        slot, into = self._slot(0, buf)
         while not self._stop:
             try:
-                length = os.readv(self.fd, [buf])
+                length = os.readv(self.fd, [into])
             except BlockingIOError:
                 burst = 0
                 await trio.lowlevel.wait_readable(self.fd)
@@ -271,7 +326,9 @@ class Session(Opcodes):
                     continue
                 raise
             self.requests += 1
-            self._dispatch(view[:length], self.fd)
+            self._dispatch(into[:length], self.fd, slot)
+            if slot >= 0 or self.inflight is not None:
+                slot, into = self._slot(0, buf)
             burst += 1
             if burst >= _BURST:
                 burst = 0
@@ -287,20 +344,25 @@ class Session(Opcodes):
         await self._initialized.wait()
 
     # ---- dispatch ------------------------------------------------------------------------------
-    def _dispatch(self, data: memoryview, fd: int) -> None:
+    def _dispatch(self, data: memoryview, fd: int, slot: int = -1, replayed: bool = False) -> None:
         try:
-            req = Request(data, fd)
+            req = Request(data, fd, slot, replayed)
         except struct.error:
             log.error("a malformed FUSE request (%d bytes) was dropped", len(data))
+            if slot >= 0:
+                self.inflight.done(slot)
             return
         self.opcodes[req.opcode] = self.opcodes.get(req.opcode, 0) + 1
         entry = self._table.get(req.opcode)
         if entry is None:
             if req.opcode not in _NO_REPLY:
                 self.reply_error(req, errno.ENOSYS)
+            self._finish(req)
             return
         try:
             entry(req)
+            if req.opcode in _NO_REPLY:
+                self._finish(req)               # nothing to answer; never run again
         except FuseError as exc:
             self.reply_error(req, exc.errno)
         except (struct.error, ValueError, IndexError):
@@ -360,9 +422,17 @@ class Session(Opcodes):
             self._send(req.fd, [abi.OUT_HEADER.pack(size, 0, unique), *payload])
         else:
             self._send(req.fd, [abi.OUT_HEADER.pack(abi.OUT_HEADER.size + len(payload), 0, unique), payload])
+        self._finish(req)
 
     def reply_error(self, req: "Request", code: int) -> None:
         self._send(req.fd, [abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -code, req.unique)])
+        self._finish(req)
+
+    def _finish(self, req: "Request") -> None:
+        """``req`` needs nothing more: free its slot of the in-flight log (once)."""
+        if req.slot >= 0:
+            self.inflight.done(req.slot)
+            req.slot = -1
 
     def _send(self, fd: int, parts: list) -> None:
         try:
