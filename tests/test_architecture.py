@@ -116,6 +116,16 @@ def test_control_clients_load_no_daemon_stack():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_loader_loads_no_daemon_stack():
+    """`import cachefs.data` happens in every training process (and each DataLoader worker): it
+    loads neither trio nor prometheus_client nor boto3, only what reading shards needs."""
+    code = ("import sys, cachefs.data, cachefs.data.direct, cachefs.data.shards; "
+            "print(sorted(m for m in ('trio', 'prometheus_client', 'boto3', 'botocore', 'pyfuse3') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_daemon_loads_no_packer_dependencies():
     """pyarrow and numpy come with the `packer` extra, not with the core: a plain mount (the daemon,
     the CLI) must start without them; only a packed dataset's mount loads them, when it finds one."""

@@ -6,10 +6,13 @@ is written (one atomic PUT), so a failed or interrupted pack leaves no manifest 
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from cachefs.errors import NoSuchKey
 from cachefs.packfmt.errors import CorruptIndex, UnknownVersion
-from cachefs.store.base import ObjectStore
+
+if TYPE_CHECKING:                   # the loader reads manifests without the store layer's trio
+    from cachefs.store.base import ObjectStore
 
 FORMAT = "cachefs-pack"
 VERSION = 1
@@ -53,7 +56,7 @@ class Manifest:
             raise CorruptIndex(f"{where}: malformed manifest ({exc})") from exc
 
 
-def read_manifest(store: ObjectStore) -> Manifest | None:
+def read_manifest(store: "ObjectStore") -> Manifest | None:
     """The store's manifest, None if there is none; CorruptIndex / UnknownVersion if unreadable."""
     try:
         info = store.head(MANIFEST)
@@ -62,12 +65,12 @@ def read_manifest(store: ObjectStore) -> Manifest | None:
     return Manifest.from_json(store.get(MANIFEST, 0, info.size, info.etag, info.size), MANIFEST)
 
 
-def write_manifest(store: ObjectStore, manifest: Manifest) -> None:
+def write_manifest(store: "ObjectStore", manifest: Manifest) -> None:
     """Publish: one atomic PUT (a temporary name then a move on file systems)."""
     store.put(MANIFEST, manifest.to_json())
 
 
-def is_packed(store: ObjectStore) -> bool:
+def is_packed(store: "ObjectStore") -> bool:
     """Whether the store's root is a packed dataset (its manifest exists and is ours)."""
     try:
         return read_manifest(store) is not None

@@ -7,20 +7,20 @@ from typing import TYPE_CHECKING
 from cachefs.errors import NoSuchKey
 from cachefs.packfmt.errors import CorruptIndex
 from cachefs.packfmt.manifest import MANIFEST, Manifest, read_manifest
-from cachefs.store.base import ObjectStore
 
 if TYPE_CHECKING:
     from cachefs.packfmt.index import PackedIndex
+    from cachefs.store.base import ObjectStore
 
 PACKED_DIR = ".cachefs-packed"   # where a cachefs mount of a packed dataset shows its layout
 
 
-def read_object(store: ObjectStore, path: str) -> bytes:
+def read_object(store: "ObjectStore", path: str) -> bytes:
     info = store.head(path)
     return store.get(path, 0, info.size, info.etag, info.size)
 
 
-def open_index(store: ObjectStore) -> tuple[Manifest, "PackedIndex"]:
+def open_index(store: "ObjectStore") -> tuple[Manifest, "PackedIndex"]:
     """The manifest and validated index of the packed dataset at the store's root."""
     manifest = read_manifest(store)
     if manifest is None:
