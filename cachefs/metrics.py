@@ -64,6 +64,12 @@ class Metrics:
                                              ["kind"], registry=r)
         self.readahead_blocks = Counter("cachefs_readahead_blocks", "Blocks fetched ahead by readahead",
                                         registry=r)
+        self.readahead_wasted_bytes = Counter(
+            "cachefs_readahead_wasted_bytes", "Bytes fetched by readahead and evicted from memory before any read",
+            registry=r)
+        self.readahead_window = Histogram(
+            "cachefs_readahead_window_bytes", "Readahead window of a sequential reader, at each read that extends it",
+            buckets=[1 << n for n in range(17, 28)], registry=r)
         self.lookup_readaheads = Counter("cachefs_lookup_readaheads",
                                          "Small files whose GET a lookup started (the open joins it)", registry=r)
         self.singleflight_joins = Counter("cachefs_singleflight_joins",

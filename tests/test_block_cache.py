@@ -463,6 +463,9 @@ def test_sequential_reads_trigger_readahead(bucket_mem):
             await trio.testing.wait_all_tasks_blocked()
             assert store.calls["get"] == 3                       # ... and served with no new get
     trio.run(main)
+    assert metrics.counter_value("cachefs_readahead_window_bytes_count") == 2     # each sequential read
+    assert metrics.counter_value("cachefs_readahead_window_bytes_sum") == BS + 2 * BS   # a doubling window
+    assert metrics.counter_value("cachefs_readahead_wasted_bytes_total") == 0
 
 
 def test_random_reads_do_not_trigger_readahead(bucket_mem):

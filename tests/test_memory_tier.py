@@ -65,3 +65,22 @@ def test_replace_and_discard_adjust_used():
     tier.discard(key(1))
     assert tier.used == 0 and len(tier) == 0 and tier.get(key(0)) is None
     assert sample(m, "cachefs_tier_blocks") == 0
+
+
+def test_readahead_blocks_evicted_unread_count_as_wasted():
+    m = Metrics()
+    tier = MemoryTier(300, m)
+    tier.put(key(0), b"a" * 100, ahead=True)       # read later: not wasted
+    tier.put(key(1), b"b" * 100, ahead=True)       # joined in flight by a reader: not wasted
+    tier.put(key(2), b"c" * 100, ahead=True)       # never read: wasted
+    assert tier.get(key(0)) == b"a" * 100
+    tier.read_ahead(key(1))
+    tier.put(key(3), b"d" * 100)                   # evicts key(1) (LRU after key(0) was read)
+    tier.put(key(4), b"e" * 100)                   # evicts key(2)
+    assert m.counter_value("cachefs_readahead_wasted_bytes_total") == 100
+    tier.put(key(5), b"f" * 100, ahead=True)
+    tier.discard(key(5))                           # dropped on purpose (a newer version): not counted
+    tier.put(key(6), b"g" * 100)
+    tier.put(key(7), b"h" * 100)
+    tier.put(key(8), b"i" * 100)
+    assert m.counter_value("cachefs_readahead_wasted_bytes_total") == 100

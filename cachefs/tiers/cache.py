@@ -189,6 +189,7 @@ class Tiers:
         if stream is not None:
             window = stream.advance(offset, end, self.block_size, self.readahead_size)
             if window:
+                self.metrics.readahead_window.observe(window)
                 self._readahead(f, end, window)
         self.metrics.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -261,16 +262,17 @@ class Tiers:
                 return data if (lo, hi) == (0, len(data)) else data[lo:hi]
         whole = (lo, hi) == (0, min(self.block_size, f.size - key.offset))
         data = await self._flights.do(key, lambda: self._fetch(f, key, keep=not whole))
+        self.memory.read_ahead(key)
         return data if whole else data[lo:hi]
 
     async def _fetch(self, f: FileVersion, key: BlockKey, keep: bool = True,
-                     limiter: trio.CapacityLimiter | None = None) -> bytes:
+                     limiter: trio.CapacityLimiter | None = None, ahead: bool = False) -> bytes:
         """GET one block; fill the disk tier, and the memory tier when ``keep`` (a block read
         whole by one request is in the kernel page cache already: no second copy in memory)."""
         # Errors propagate to the one choke point in fuse_ops, which logs them once.
         data = await self._get(f, key, limiter or self._fetch_limiter)
         if keep:
-            self.memory.put(key, data)
+            self.memory.put(key, data, ahead=ahead)
         if self.disk is not None:
             self.disk.start_fill(key, data)
         return data
@@ -343,7 +345,7 @@ class Tiers:
             if self.disk is not None and self.disk.contains(key):
                 await self.disk.readahead(key)     # the kernel reads the cache file ahead
                 return
-            await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter))
+            await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter, ahead=True))
             self.metrics.readahead_blocks.inc()
         except StoreError as exc:
             log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)

@@ -18,6 +18,8 @@ class MemoryTier:
         self.capacity = capacity_bytes
         self.used = 0
         self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._ahead: set[BlockKey] = set()      # fetched by readahead, not read yet
+        self._wasted = metrics.readahead_wasted_bytes
         # metric children bound once, as the disk tier does: get() runs on every read
         self._hits = metrics.tier_hits.labels(_TIER)
         self._misses = metrics.tier_misses.labels(_TIER)
@@ -41,12 +43,15 @@ class MemoryTier:
             self._misses.inc()
             return None
         self._blocks.move_to_end(key)
+        if self._ahead:
+            self._ahead.discard(key)
         self._hits.inc()
         self._hit_bytes.inc(len(data))
         return data
 
-    def put(self, key: BlockKey, data: bytes) -> None:
-        """Store ``data``, evicting the least recently used blocks to make room.
+    def put(self, key: BlockKey, data: bytes, *, ahead: bool = False) -> None:
+        """Store ``data``, evicting the least recently used blocks to make room; ``ahead``: a
+        readahead's block, counted as wasted if it is evicted before any read.
 
         A block larger than the whole capacity is not stored (and evicts nothing).
         """
@@ -55,11 +60,16 @@ class MemoryTier:
             self._update_gauges()
             return
         while self.used + len(data) > self.capacity:
-            _, victim = self._blocks.popitem(last=False)
+            victim_key, victim = self._blocks.popitem(last=False)
             self.used -= len(victim)
             self._evictions.inc()
             self._evicted_bytes.inc(len(victim))
+            if victim_key in self._ahead:
+                self._ahead.discard(victim_key)
+                self._wasted.inc(len(victim))
         self._blocks[key] = data
+        if ahead:
+            self._ahead.add(key)
         self.used += len(data)
         self._update_gauges()
 
@@ -67,10 +77,15 @@ class MemoryTier:
         self._remove(key)
         self._update_gauges()
 
+    def read_ahead(self, key: BlockKey) -> None:
+        """A reader got ``key`` another way (it joined the readahead's GET): not wasted."""
+        self._ahead.discard(key)
+
     def _remove(self, key: BlockKey) -> None:
         old = self._blocks.pop(key, None)
         if old is not None:
             self.used -= len(old)
+            self._ahead.discard(key)
 
     def _update_gauges(self) -> None:
         self._used_gauge.set(self.used)
