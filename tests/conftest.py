@@ -65,3 +65,17 @@ def fail_on_logged_warnings(request: pytest.FixtureRequest):
 
 
 pytest_plugins = ("mounts",)
+
+
+@pytest.fixture
+def checkout_reachable_by_other_users():
+    """These tests run cachefs as other users: they need this checkout (the package is installed
+    from it in editable mode) readable by them. A clone under a 0700 directory (mktemp -d, a
+    private home) is not: say so, instead of failing later with "No module named cachefs"."""
+    import os
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    closed = [d for d in (root, *root.parents) if not os.stat(d).st_mode & 0o001]
+    assert not closed, (f"{closed[-1]} is not traversable by other users (mode "
+                        f"{oct(os.stat(closed[-1]).st_mode & 0o777)}): these tests run cachefs as uid 65534 "
+                        f"and 1234 from this checkout; clone it under a directory others can traverse")

@@ -21,20 +21,6 @@ FILES = {f"ds/f{i}.bin": bytes([i]) * (20_000 + i) for i in range(6)}
 
 
 @pytest.fixture
-def checkout_reachable_by_other_users():
-    """These tests run cachefs as other users: they need this checkout (the package is installed
-    from it in editable mode) readable by them. A clone under a 0700 directory (mktemp -d, a
-    private home) is not: say so, instead of failing later with "No module named cachefs"."""
-    import os
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    closed = [d for d in (root, *root.parents) if not os.stat(d).st_mode & 0o001]
-    assert not closed, (f"{closed[-1]} is not traversable by other users (mode "
-                        f"{oct(os.stat(closed[-1]).st_mode & 0o777)}): these tests run cachefs as uid 65534 "
-                        f"and 1234 from this checkout; clone it under a directory others can traverse")
-
-
-@pytest.fixture
 def dataset(s3_server, bucket):
     put_tree(s3_client(s3_server.endpoint_url), bucket, "", FILES)
     return s3_server, bucket

@@ -39,7 +39,8 @@ def fuse_device_for_users():
     os.chmod("/dev/fuse", mode)
 
 
-def test_a_user_who_is_not_root_mounts_through_fusermount3(public_dir, fuse_device_for_users):      # noqa: F811
+def test_a_user_who_is_not_root_mounts_through_fusermount3(public_dir, fuse_device_for_users,  # noqa: F811
+                                                          checkout_reachable_by_other_users):
     if shutil.which("fusermount3") is None:
         pytest.fail("fusermount3 is missing: install fuse3", pytrace=False)
     data, mnt, cache = public_dir / "data", public_dir / "mnt", public_dir / "cache"
