@@ -188,7 +188,6 @@ class Session(Opcodes):
         self.ops = ops
         os.set_blocking(self.fd, False)
         buf = bytearray(abi.BUFFER_SIZE)
-        view = memoryview(buf)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._token = trio.lowlevel.current_trio_token()
@@ -206,7 +205,7 @@ class Session(Opcodes):
                 self._replay()
                 nursery.start_soon(self._start_loops)
                 with trio.CancelScope() as self._reading:
-                    await self._loop(buf, view)
+                    await self._loop(buf)
                 if self._reading.cancelled_caught:
                     with trio.move_on_after(5.0):
                         while self._in_hand:
@@ -299,7 +298,7 @@ class Session(Opcodes):
                     self._token.run_sync_soon(self._drain_inbox)
                 except trio.RunFinishedError:
                     return
-            if slot >= 0 or self.inflight is not None:
+            if self.inflight is not None:      # the next slot (or the buffer when none is free)
                 slot, into = self._slot(index, buf)
 
     def _drain_inbox(self) -> None:
@@ -309,7 +308,7 @@ class Session(Opcodes):
             self.requests += 1
             self._dispatch(data if slot >= 0 else memoryview(data), fd, slot)
 
-    async def _loop(self, buf: bytearray, view: memoryview) -> None:
+    async def _loop(self, buf: bytearray) -> None:
         burst = 0
         slot, into = self._slot(0, buf)
         while not self._stop:
@@ -327,7 +326,7 @@ class Session(Opcodes):
                 raise
             self.requests += 1
             self._dispatch(into[:length], self.fd, slot)
-            if slot >= 0 or self.inflight is not None:
+            if self.inflight is not None:      # the next slot (or the buffer when none is free)
                 slot, into = self._slot(0, buf)
             burst += 1
             if burst >= _BURST:
