@@ -58,6 +58,7 @@ class Driver:
         self.plugin_prefix = plugin_prefix or []
         self.agent_prefix = agent_prefix or []
         self.agent_args = agent_args or []
+        self.agent_starts = 0
         self.metrics_port = metrics_port
         self.agent_metrics_port = agent_metrics_port
         self.agent: subprocess.Popen | None = None
@@ -74,26 +75,24 @@ class Driver:
 
     def start_agent(self, *, replace: bool = False) -> None:
         """Start an agent; ``replace``: beside the running one, which it takes the volumes from
-        (a rolling update); returns once the new one serves its socket."""
-        old_inode = None
-        if replace:
-            old_inode = os.stat(self.agent_socket).st_ino
-        else:
+        (a rolling update); returns once the new one is ready (its ``--ready-file``, the pod's
+        readiness probe: written once it serves, after any take-over). A socket's inode number
+        says nothing: a new socket may get the number of the one it replaced."""
+        if not replace:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.agent_socket)      # a killed agent's socket (the new one waits for its own)
+                os.unlink(self.agent_socket)      # a killed agent's socket
+        self.agent_starts += 1
+        ready = self.root / f"agent-ready-{self.agent_starts}"
         self.agent = self._spawn(["csi-agent", "--socket", self.agent_socket, "--state-dir", str(self.state_dir),
                                   "--cache-root", str(self.cache_root), "--cache-size", "2G",
                                   "--metrics-port", str(self.metrics_port), "--check-interval", "0.5",
-                                  "--agent-metrics-port", str(self.agent_metrics_port), *self.agent_args],
+                                  "--agent-metrics-port", str(self.agent_metrics_port), "--ready-file", str(ready),
+                                  *self.agent_args],
                                  "agent.log",
                                  self.agent_prefix)
-
-        def serving() -> bool:
-            with contextlib.suppress(FileNotFoundError):
-                return os.stat(self.agent_socket).st_ino != old_inode
-            return False
-        wait_for(lambda: serving() or self.agent.poll() is not None, 60, "the agent socket")
+        wait_for(lambda: ready.exists() or self.agent.poll() is not None, 60, "the agent to be ready")
         assert self.agent.poll() is None, self.log("agent.log")
+        assert os.path.exists(self.agent_socket)
 
     def start_plugin(self) -> None:
         with contextlib.suppress(FileNotFoundError):
