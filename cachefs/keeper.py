@@ -15,8 +15,8 @@ keeper starts the new daemon first, lets it import everything, and then tells th
 stop reading, finish what it is serving and exit (``HANDOVER``).
 
 When no new daemon can serve (five failures in a minute), or the kernel cannot resend and the
-daemon kept no in-flight log, the keeper aborts the connection (readers get ENOTCONN at once, as with no keeper) rather than leave callers
-hanging on requests nobody will answer. A daemon that exits 0 has unmounted: the keeper exits too.
+daemon kept no in-flight log, the keeper aborts the connection (readers get ENOTCONN at once, as
+with no keeper) rather than leave callers hanging on requests nobody will answer. A daemon that exits 0 has unmounted: the keeper exits too.
 
 A standby daemon (``keeper_standby``) waits beside the serving one, its modules imported, so a
 crash costs the pause of building the daemon, not of starting Python. Five daemons in a row that
@@ -172,7 +172,7 @@ class Keeper:
         if self.listener is not None and self.migrating is None:
             watch.append(self.listener)
         timeout = 5.0
-        if self.want_standby and self.standby is None and self.fds and not self.stopping:
+        if self._standby_missing():
             timeout = max(0.0, self.standby_due - time.monotonic())
         try:
             readable, _, _ = select.select(watch, [], [], timeout)
@@ -197,10 +197,14 @@ class Keeper:
             self._on_migrate()
         if daemon.pidfd in readable:
             return self._on_exit(daemon)
-        if (self.want_standby and self.standby is None and self.fds and not self.stopping
-                and time.monotonic() >= self.standby_due):
+        if self._standby_missing() and time.monotonic() >= self.standby_due:
             self.standby = self._spawn(None)
         return None
+
+    def _standby_missing(self) -> bool:
+        """A standby is wanted and none waits (none while the mount is being handed to another keeper)."""
+        return (self.want_standby and self.standby is None and bool(self.fds) and not self.stopping
+                and self.migrating is None)
 
     def _lost(self, other: _Daemon) -> None:
         """A standby or a restart's successor exited before taking over."""
@@ -281,10 +285,14 @@ class Keeper:
                 successor, self.standby = self.standby, None
             else:
                 successor = self._spawn(None)
+        self._take_over(successor)
+        return None
+
+    def _take_over(self, successor: _Daemon) -> None:
+        """``successor`` serves the connection now: the next generation."""
         self.generation += 1
         self.restarts += 1
         self._go(successor)
-        return None
 
     # ---- keeper to keeper (a new node agent's keeper takes the mount: cachefs.launcher.start(adopt)) ----
     def _listen(self) -> None:
@@ -318,10 +326,9 @@ class Keeper:
                  self.daemon.proc.pid)
         self.migrating = conn
         self._retire_standby()
-        self.want_standby = False
         self._tell(self.daemon, {"kind": "stop"})
 
-    def _hand_to_keeper(self, daemon: _Daemon, status: int) -> int:
+    def _hand_to_keeper(self, daemon: _Daemon, status: int) -> int | None:
         """The daemon stopped (handed over, or died): the waiting keeper gets the descriptors."""
         conn, self.migrating = self.migrating, None
         try:
@@ -331,9 +338,7 @@ class Keeper:
             log.error("the keeper that asked for %s is gone (%s): a new daemon here takes the mount back",
                       self.mountpoint, exc)
             conn.close()
-            self.generation += 1
-            self.restarts += 1
-            self._go(self._spawn(None))
+            self._take_over(self._spawn(None))
             return None
         conn.close()
         log.info("handed %s to another keeper (the daemon, pid %d, exited %s); this keeper exits",

@@ -68,15 +68,16 @@ class InflightLog:
         self._view = memoryview(self._map)
         self.capacity = self.slot_size - PREFIX.size     # the largest request a slot takes
         self._lock = threading.Lock()
-        self._free: list[int] = []
-        for slot in reversed(range(self.slots)):
-            index, length, opcode = self._slot_state(slot)
-            if 0 < length <= self.capacity and opcode not in _NOT_RUN_AGAIN:
-                self._pending.append((slot, index, self._request(slot, length)))
-            else:
-                self._clear(slot)
-                self._free.append(slot)
-        self._pending.reverse()
+        taken = set()
+        if not fresh:                                # a fresh file is all zeros: every slot free
+            for slot in range(self.slots):
+                index, length, opcode = self._slot_state(slot)
+                if 0 < length <= self.capacity and opcode not in _NOT_RUN_AGAIN:
+                    self._pending.append((slot, index, self._request(slot, length)))
+                    taken.add(slot)
+                elif length:
+                    self._clear(slot)                # torn, or nothing to run again
+        self._free = [slot for slot in reversed(range(self.slots)) if slot not in taken]
 
     def _read_geometry(self, fd: int) -> bool:
         """Whether the file holds a log this version can read (else it starts afresh)."""

@@ -138,7 +138,6 @@ class Session(Opcodes):
         self._given_clones: list[int] = []
         self._reading: trio.CancelScope | None = None
         self._in_hand = 0             # requests being answered by tasks
-        self._adopted_fds: list[int] = []
         self.inflight: InflightLog | None = None     # kept while the kernel cannot resend
         self.cloned = cloned if cloned is not None else Port("cloned")   # each new clone (the keeper holds it too)
 
@@ -146,7 +145,6 @@ class Session(Opcodes):
         """Serve the connection of ``fds`` (the session's descriptor, then clones for the request
         loops), mounted and initialized by a previous daemon: no INIT comes again."""
         self.fd, self._given_clones = fds[0], list(fds[1:])
-        self._adopted_fds = list(fds)
         self.mountpoint = mountpoint
         self.negotiated = Negotiated.adopt(negotiated)
         self._adopted = True
@@ -232,12 +230,13 @@ class Session(Opcodes):
         """Handle what the dead predecessor had read and not answered, before any new request."""
         if self.inflight is None:
             return
+        fds = [self.fd, *self._given_clones]        # as the keeper passed them (the loops take them later)
         pending = self.inflight.pending()
         for slot, index, data in pending:
-            if index >= len(self._adopted_fds):
+            if index >= len(fds):
                 self.inflight.done(slot)
                 continue
-            self._dispatch(memoryview(data), self._adopted_fds[index], slot, replayed=True)
+            self._dispatch(data, fds[index], slot, replayed=True)
         if pending:
             log.info("answering %d request(s) the previous daemon had read, from the in-flight log", len(pending))
 

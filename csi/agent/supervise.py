@@ -83,8 +83,9 @@ def _wait(child: subprocess.Popen) -> int:
     while True:
         try:
             pid, status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            return child.poll() if child.poll() is not None else 1
+        except ChildProcessError:                # reaped already: nothing left to wait for
+            code = child.poll()
+            return 1 if code is None else code
         if pid == child.pid:
             child.returncode = os.waitstatus_to_exitcode(status)
             return child.returncode

@@ -218,8 +218,7 @@ class VolumeManager:
     def yield_volumes(self) -> None:
         """A new agent takes over: stop repairing (its keepers will hold the volumes), keep the state."""
         self.yielded = True
-        with self._meta:
-            self.store.save(self.volumes)
+        self._save()
 
     def take_over_all(self) -> None:
         """Take every live volume from the keepers of the agent this one replaces: a keeper of this
