@@ -468,6 +468,55 @@ def test_sequential_reads_trigger_readahead(bucket_mem):
     assert metrics.counter_value("cachefs_readahead_wasted_bytes_total") == 0
 
 
+def _read_in_quarters(cache, f, stream):
+    """Read ``f`` from start to end in quarter-block reads (as a reader's 1 MiB reads of 4 MiB
+    blocks); after each read, which of its blocks the memory tier holds."""
+    async def run():
+        held, out = [], []
+        for offset in range(0, f.size, BS // 4):
+            out.append(bytes(await cache.read(f, offset, BS // 4, stream)))
+            held.append([i for i in range(cache.block_count(f)) if cache.memory.contains(cache.key(f, i))])
+        return b"".join(out), held
+    return run()
+
+
+def test_a_sequential_reader_lets_go_of_the_blocks_it_has_read(bucket_mem, tmp_path):
+    data, store, f = bucket_mem.one_file(blob(17, 6 * BS))
+    metrics = Metrics()
+    disk = make_disk(tmp_path, metrics)
+    cache = make_cache(store, metrics, disk, readahead=2 * BS)
+
+    async def main():
+        async with serving(disk, cache):
+            got, held = await _read_in_quarters(cache, f, Stream())
+            assert got == data
+            # a block leaves the memory tier once read to its end: never more than the block
+            # being read and the readahead window, where without the drop all six stay
+            assert all(i >= n * 4 // 16 for n, blocks in enumerate(held) for i in blocks)
+            assert held[-1] == []
+            await disk.wait_idle()
+            assert store.calls["get"] == 6
+            # the disk tier has what the memory tier let go: a second reader sends no GET
+            assert await cache.read(f, 0, 6 * BS, Stream()) == data
+            assert store.calls["get"] == 6
+    trio.run(main)
+    assert metrics.counter_value("cachefs_readahead_wasted_bytes_total") == 0
+
+
+def test_a_shared_stream_keeps_the_blocks_it_has_read(bucket_mem):
+    """A packed shard's stream serves every member's reader: a member read to the end of a block
+    must not drop the block the next member reads."""
+    data, store, f = bucket_mem.one_file(blob(18, 4 * BS))
+    cache = make_cache(store, Metrics(), mem=64 << 20, readahead=2 * BS)
+
+    async def main():
+        async with serving(cache):
+            got, held = await _read_in_quarters(cache, f, Stream(drop_behind=False))
+            assert got == data
+            assert held[-1] == [0, 1, 2, 3]
+    trio.run(main)
+
+
 def test_random_reads_do_not_trigger_readahead(bucket_mem):
     data, store, f = bucket_mem.one_file(blob(8, 4 * BS))
     metrics = Metrics()

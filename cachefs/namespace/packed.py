@@ -226,7 +226,7 @@ class PackedView:
         if stream is None:
             if self.shard_read:
                 self.shard_read(ref.file)
-            self._streams[path] = Stream()
+            self._streams[path] = Stream(drop_behind=False)     # shared by every member's reader
             self._asked[path] = set()
             return self._streams[path]
         start, stop = ref.offset + offset, min(ref.offset + end, ref.file.size)

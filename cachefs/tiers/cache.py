@@ -67,13 +67,16 @@ class BlockState(NamedTuple):
 
 
 class Stream:
-    """Per-handle sequential-access state that drives readahead."""
+    """Per-handle sequential-access state that drives readahead. ``drop_behind``: blocks this
+    reader has read to their end in order leave the memory tier (the kernel page cache and the
+    disk tier hold them); off for a stream that several readers share (a packed shard's)."""
 
-    __slots__ = ("next_offset", "window")
+    __slots__ = ("next_offset", "window", "drop_behind")
 
-    def __init__(self) -> None:
+    def __init__(self, *, drop_behind: bool = True) -> None:
         self.next_offset = 0
         self.window = 0
+        self.drop_behind = drop_behind
 
     def advance(self, offset: int, end: int, block_size: int, max_window: int) -> int:
         """Record a read of [offset, end); return the readahead window in bytes (0: none)."""
@@ -191,8 +194,21 @@ class Tiers:
             if window:
                 self.metrics.readahead_window.observe(window)
                 self._readahead(f, end, window)
+                if stream.drop_behind:
+                    self._drop_behind(f, offset, end)
         self.metrics.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _drop_behind(self, f: FileVersion, offset: int, end: int) -> None:
+        """A sequential reader has read the blocks that end in [offset, end]: the kernel page
+        cache has them, the disk tier has them or is writing them, and this reader will not come
+        back; the memory tier lets them go. A cold 1 GiB checkpoint then leaves the daemon's
+        memory at the readahead window instead of 1 GiB, and a new block reuses the memory of
+        one just read instead of memory the kernel must fault in page by page."""
+        bs = self.block_size
+        stop = end // bs if end < f.size else (end - 1) // bs + 1     # blocks [., stop) end by `end`
+        for index in range(offset // bs, stop):
+            self.memory.discard(self.key(f, index))
 
     # ---- handing cache files to the kernel (FUSE passthrough: handover.py) ----------------------
     def exact_file_now(self, f: FileVersion) -> ExactFile | None:
