@@ -116,6 +116,16 @@ class Row:
                 "mb_per_s": round(self.mb_per_s, 1), "ok": self.ok, **self.extra}
 
 
+def cpu_caps(spent: dict[str, float]) -> dict[str, float]:
+    """The rates at which a row's CPU per GiB would fill every CPU of this machine: as measured,
+    and with the S3 server and the proxy on other machines (as a real bucket is)."""
+    cpus = os.cpu_count() or 1
+    total = spent.get("cpu_total_s_per_gib", 0.0)
+    here = total - spent.get("cpu_store_s_per_gib", 0.0) - spent.get("cpu_proxy_s_per_gib", 0.0)
+    return {"cap_mb_s": round(cpus / total * GiB / 1e6, 1) if total else 0.0,
+            "cap_store_elsewhere_mb_s": round(cpus / here * GiB / 1e6, 1) if here > 0 else 0.0}
+
+
 def minor_faults(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as fh:
         return int(fh.read().rsplit(")", 1)[1].split()[7])
@@ -230,13 +240,16 @@ class Bench:
         if meter is not None:
             gib = nbytes / GiB
             row.extra = {f"cpu_{who}_s_per_gib": round(s / gib, 3) for who, s in meter.spent.items()}
+            row.extra.update(cpu_caps(row.extra))
         self.rows[key] = row
         flag = "" if row.ok else "  WRONG BYTES"
         print(f"  {name:<44} {nbytes / MiB:>8.0f} MiB {row.mb_per_s:>8.1f} MB/s {seconds:>7.2f} s{flag}",
               flush=True)
         if row.extra:
-            print("      CPU s/GiB: " + " ".join(f"{k[4:-10]} {v:.2f}" for k, v in row.extra.items()),
-                  flush=True)
+            print("      CPU s/GiB: " + " ".join(f"{k[4:-10]} {v:.2f}" for k, v in row.extra.items()
+                                                   if k.startswith("cpu_")) +
+                  f"; CPU caps {row.extra['cap_mb_s']:.0f} MB/s, {row.extra['cap_store_elsewhere_mb_s']:.0f} "
+                  "with the store and proxy elsewhere", flush=True)
         return row
 
     def meter(self) -> CpuMeter:
