@@ -51,6 +51,7 @@ from benchmarks.s3_servers import ProxyProcess, start_server  # noqa: E402
 MiB = 1 << 20
 GiB = 1 << 30
 BUCKET, PREFIX, NAME = "cold", "models", "model.safetensors"
+PACKED = "packed"        # ``cachefs pack`` of PREFIX (with --rows ...,packed): the object in a shard of its own
 RANGE = 8 * MiB          # the parallel baseline's ranged GETs
 RANGE_THREADS = 8
 
@@ -277,22 +278,27 @@ class Bench:
                  lambda p: file_ranges(p, self.safetensors)),
                 ("cachefs_random", f"cachefs cold, {len(self.random)} random 1 MiB reads", "random",
                  lambda p: file_ranges(p, self.random_ranges)))
+        if "packed" in self.args.rows:
+            rows += (("cachefs_packed", "cachefs cold, packed mount, sequential", "sequential",
+                      file_sequential),)
         for key, name, expect, read in rows:
-            if expect not in self.args.rows:
+            if key.removeprefix("cachefs_") not in self.args.rows:
                 continue
-            with self.mount(endpoint_url) as mnt:
+            packed = key == "cachefs_packed"
+            target = Path(NAME) if packed else path        # the packed view shows the tree below PREFIX
+            with self.mount(endpoint_url, PACKED if packed else "") as mnt:
                 meter = CpuMeter(daemon=[mnt.pid], **pids)
                 faults = minor_faults(mnt.pid)
-                row = self.timed(key, name, expect, functools.partial(read, mnt.mountpoint / path), meter)
+                row = self.timed(key, name, expect, functools.partial(read, mnt.mountpoint / target), meter)
                 row.extra["daemon_faults_per_mib"] = round((minor_faults(mnt.pid) - faults) / (row.nbytes / MiB), 1)
                 row.extra["daemon_peak_rss_mib"] = round(vm_hwm(mnt.pid) / MiB)
                 print(f"      daemon: {row.extra['daemon_faults_per_mib']:.0f} page faults per MiB, "
                       f"peak RSS {row.extra['daemon_peak_rss_mib']} MiB", flush=True)
 
-    def mount(self, endpoint_url: str) -> CachefsMount:
+    def mount(self, endpoint_url: str, prefix: str = "") -> CachefsMount:
         cache_dir = self.args.workdir / "cache"
         shutil.rmtree(cache_dir, ignore_errors=True)
-        return CachefsMount(f"s3://{BUCKET}", self.args.workdir / "mnt", endpoint_url=endpoint_url,
+        return CachefsMount(f"s3://{BUCKET}/{prefix}".rstrip("/"), self.args.workdir / "mnt", endpoint_url=endpoint_url,
                             cache_dir=cache_dir, cache_size=self.args.cache_size,
                             mem_cache_size=self.args.mem_cache_size, extra=tuple(self.args.mount_opt))
 
@@ -304,6 +310,8 @@ RATIOS = (
     ("safetensors-style vs download_file", "cachefs_safetensors", "boto3_download", 1.0),
     ("safetensors-style vs boto3 same ranges", "cachefs_safetensors", "boto3_safetensors", None),
     ("random 1 MiB vs boto3 same ranges", "cachefs_random", "boto3_random", None),
+    ("packed mount sequential vs 8 x 8 MiB ranged GETs", "cachefs_packed", "boto3_parallel", 1.0),
+    ("packed mount sequential vs the plain mount", "cachefs_packed", "cachefs_sequential", None),
 )
 
 
@@ -333,11 +341,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-boto3", action="store_true", help="only the cachefs rows")
     parser.add_argument("--rows", type=lambda text: set(text.split(",")), default={"sequential", "safetensors", "random"},
-                        help="cachefs rows to run, of sequential,safetensors,random")
+                        help="cachefs rows to run, of sequential,safetensors,random,packed (packed: not by default)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.size = args.size or (256 * MiB if args.quick else GiB)
     return args
+
+
+def pack(endpoint_url: str) -> None:
+    """``cachefs pack`` the object's prefix (untimed, straight to the server)."""
+    import subprocess
+
+    from benchmarks.cachefs_mount import cachefs_command
+    subprocess.run(cachefs_command() + ["pack", f"s3://{BUCKET}/{PREFIX}", f"s3://{BUCKET}/{PACKED}",
+                                        "--endpoint-url", endpoint_url, "--quiet"], check=True, timeout=600)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -360,6 +377,8 @@ def run(args: argparse.Namespace) -> int:
         from boto3.s3.transfer import TransferConfig
         client.upload_file(str(local), BUCKET, f"{PREFIX}/{NAME}",
                            Config=TransferConfig(multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB))
+        if "packed" in args.rows:
+            pack(server.endpoint_url)
         proxy = stack.enter_context(ProxyProcess(server.endpoint_url, args.latency_ms,
                                                  splice=args.proxy == "splice"))
         pids = {"store": [server.pid], "proxy": [proxy.pid]}

@@ -67,6 +67,9 @@ class Metrics:
         self.readahead_wasted_bytes = Counter(
             "cachefs_readahead_wasted_bytes", "Bytes fetched by readahead and evicted from memory before any read",
             registry=r)
+        self.readahead_cancelled = Counter(
+            "cachefs_readahead_cancelled", "Readahead GETs cancelled: their reader closed the file or moved away",
+            registry=r)
         self.readahead_window = Histogram(
             "cachefs_readahead_window_bytes", "Readahead window of a sequential reader, at each read that extends it",
             buckets=[1 << n for n in range(17, 28)], registry=r)

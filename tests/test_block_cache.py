@@ -517,6 +517,45 @@ def test_a_shared_stream_keeps_the_blocks_it_has_read(bucket_mem):
     trio.run(main)
 
 
+def test_a_reader_that_moves_away_or_closes_cancels_its_readahead(bucket_mem):
+    data, store, f = bucket_mem.one_file(blob(19, 12 * BS))
+    metrics = Metrics()
+    cache = make_cache(store, metrics, readahead=2 * BS)
+    cancelled = lambda: count(metrics, "readahead_cancelled")      # noqa: E731
+
+    async def main():
+        gate = store.hold("get", lambda path, start, end: start in (2 * BS, 6 * BS))
+        async with serving(cache) as nursery:
+            try:
+                away, closing = Stream(), Stream()
+                await cache.read(f, 0, BS, away)
+                await cache.read(f, BS, BS, away)                  # block 2 read ahead: held
+                await gate.wait_reached()
+                assert list(away.ahead) == [2]
+                joined = []
+
+                async def join() -> None:                           # a reader waiting on block 2
+                    joined.append(await cache.read(f, 2 * BS, BS))
+                nursery.start_soon(join)
+                await until(lambda: count(metrics, "singleflight_joins") == 1)
+                await cache.read(f, BS + 100, 10, away)            # moved a little: kept
+                assert list(away.ahead) == [2] and cancelled() == 0
+                assert await cache.read(f, 9 * BS, BS, away) == data[9 * BS:10 * BS]   # moved away
+                assert away.ahead == {} and cancelled() == 1
+                await cache.read(f, 4 * BS, BS, closing)
+                await cache.read(f, 5 * BS, BS, closing)           # block 6 read ahead: held
+                assert list(closing.ahead) == [6]
+                cache.stop(closing)                                # its file closed
+                assert closing.ahead == {} and cancelled() == 2
+            finally:
+                gate.open()
+            await until(lambda: joined)
+            # the waiting reader has its bytes (from a GET of its own, or, with a store whose GETs
+            # run in worker threads as this one's, from the GET that ended before it was stopped)
+            assert joined == [data[2 * BS:3 * BS]]
+    trio.run(main)
+
+
 def test_random_reads_do_not_trigger_readahead(bucket_mem):
     data, store, f = bucket_mem.one_file(blob(8, 4 * BS))
     metrics = Metrics()

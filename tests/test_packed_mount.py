@@ -623,3 +623,26 @@ def test_a_large_record_is_checked_as_it_is_read_in_order(monkeypatch, corrupt):
     else:
         assert run(view.read, ref, Stream(), 4096, 1024) == big[4096:]
         assert ref.verified and metrics.counter_value("cachefs_packed_crc_errors_total") == 0
+
+
+def test_a_file_of_more_than_two_blocks_is_read_with_its_handles_stream(monkeypatch):
+    """A large packed file (a checkpoint in a shard of its own) is read ahead, and its blocks
+    dropped behind, as an unpacked file is: with its handle's stream. Smaller files share the
+    shard's stream, which keeps its blocks for the files beside them."""
+    from cachefs.namespace import packed
+    from cachefs.tiers.cache import Stream
+    monkeypatch.setattr(packed, "VERIFY_WHOLE_MAX", 1000)
+    files = {"a.bin": b"a" * 100, "big.bin": random.Random(2).randbytes(5000), "c.bin": b"c" * 2000}
+    view, tiers, _ = packed_view(files, heal=False, corrupt="a.bin")
+    streams = []
+    real = tiers.read
+    monkeypatch.setattr(tiers, "read", lambda f, offset, size, stream=None: streams.append(stream) or real(
+        f, offset, size, stream))
+    mine = Stream()
+    big = view.ref("big.bin", 5000, "g0")
+    assert b"".join(run(view.read, big, mine, offset, 1024) for offset in range(0, 5000, 1024)) == files["big.bin"]
+    assert streams and all(s is mine for s in streams)
+    streams.clear()
+    small = Stream()
+    assert run(view.read, view.ref("c.bin", 2000, "g0"), small, 0, 2000) == files["c.bin"]
+    assert streams and all(s is not small and (s is None or not s.drop_behind) for s in streams)

@@ -192,12 +192,12 @@ class PackedView:
                 self.shard_read(ref.file)       # the native loader reading the shard file itself
             return await self.tiers.read(ref.file, offset, end - offset, stream)
         if ref.verified:
-            return await self._range(ref, offset, end)
+            return await self._range(ref, offset, end, stream)
         if ref.size <= VERIFY_WHOLE_MAX:
             data = await self._whole(ref)
             ref.verified = True
             return data if (offset, end) == (0, ref.size) else data[offset:end]
-        data = await self._range(ref, offset, end)
+        data = await self._range(ref, offset, end, stream)
         self._stream_check(ref, offset, end, data)
         return data
 
@@ -211,8 +211,15 @@ class PackedView:
         except (CachefsError, OSError):
             return None         # the open succeeds; the READ fails with the error's errno
 
-    async def _range(self, ref: PackedRef, offset: int, end: int) -> bytes:
-        return await self.tiers.read(ref.file, ref.offset + offset, end - offset, self._stream(ref, offset, end))
+    async def _range(self, ref: PackedRef, offset: int, end: int, stream: Stream | None = None) -> bytes:
+        """Bytes [offset, end) of a packed file. A file of more than two blocks (a checkpoint, a
+        video packed into a shard of its own) is read with its handle's ``stream``, as an
+        unpacked file is: its readahead follows that reader, and the blocks it has read to their
+        end leave the memory tier (only its first block can hold another file's bytes: a
+        neighbour reads that one from the disk tier). Smaller files share the shard's stream."""
+        if stream is None or ref.size <= 2 * self.tiers.block_size:
+            stream = self._stream(ref, offset, end)
+        return await self.tiers.read(ref.file, ref.offset + offset, end - offset, stream)
 
     def _stream(self, ref: PackedRef, offset: int, end: int) -> Stream | None:
         """The shard's readahead stream, shared by every handle reading the shard. Any read of a

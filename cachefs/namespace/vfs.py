@@ -381,6 +381,7 @@ class Vfs(NameChanges, Adoption):
         if handle is not None:
             del self.handles[fh]
             handle.node.opens -= 1
+            self.blocks.stop(handle.stream)
             self.forget(handle.node.inode, 0)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -403,6 +404,7 @@ class Vfs(NameChanges, Adoption):
         handle = self.handles.pop(fh, None)
         if handle is not None:
             handle.node.opens -= 1
+            self.blocks.stop(handle.stream)
             if handle.entry is not None:
                 await self.wb.released(handle.entry, writable=handle.writable)
             self.forget(handle.node.inode, 0)

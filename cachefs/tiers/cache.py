@@ -6,6 +6,7 @@ daemon's status use only ``Tiers``:
 
 =================  ===========================================================================
 read, preload      bytes of a pinned file version (``read`` drives the readahead of a stream)
+stop               a reader closed its file: cancel the readahead GETs its stream started
 readahead_file     start a looked-up small file's GET, for the open that follows to join
 warm               put one block of a file in the disk tier (back-pressure, no drop)
 check              which blocks of a file each tier holds
@@ -20,7 +21,8 @@ All state lives in the trio thread; the GET runs as a trio task (S3) or in a wor
 own, so readahead never queues a reader). A disk-tier hit whose pages are resident is served
 inline (``RWF_NOWAIT``), a cold one in a worker thread (see ``disk/reader.py``). Sequential
 readers get a readahead window that doubles while they stay sequential; a readahead that cannot
-start at once is dropped and counted, never queued.
+start at once is dropped and counted, never queued; a reader that closes its file or moves away
+cancels its readahead GETs; blocks it has read to their end leave the memory tier (drop-behind).
 """
 
 import logging
@@ -71,12 +73,13 @@ class Stream:
     reader has read to their end in order leave the memory tier (the kernel page cache and the
     disk tier hold them); off for a stream that several readers share (a packed shard's)."""
 
-    __slots__ = ("next_offset", "window", "drop_behind")
+    __slots__ = ("next_offset", "window", "drop_behind", "ahead")
 
     def __init__(self, *, drop_behind: bool = True) -> None:
         self.next_offset = 0
         self.window = 0
         self.drop_behind = drop_behind
+        self.ahead: dict[int, trio.CancelScope] = {}     # block index -> its readahead GET under way
 
     def advance(self, offset: int, end: int, block_size: int, max_window: int) -> int:
         """Record a read of [offset, end); return the readahead window in bytes (0: none)."""
@@ -190,10 +193,12 @@ class Tiers:
         if offset == 0 and self.first_read:
             self.first_read(f)
         if stream is not None:
+            if stream.ahead and offset != stream.next_offset:
+                self._cancel_ahead(stream, offset)
             window = stream.advance(offset, end, self.block_size, self.readahead_size)
             if window:
                 self.metrics.readahead_window.observe(window)
-                self._readahead(f, end, window)
+                self._readahead(f, end, window, stream)
                 if stream.drop_behind:
                     self._drop_behind(f, offset, end)
         self.metrics.read_bytes.inc(end - offset)
@@ -307,7 +312,25 @@ class Tiers:
             self.fetched(f, key.offset, data)
         return data
 
-    def _readahead(self, f: FileVersion, start: int, window: int) -> None:
+    def stop(self, stream: Stream) -> None:
+        """The reader of ``stream`` closed its file: cancel the readahead GETs it started (a
+        reader waiting on one of them starts its own GET instead)."""
+        self._cancel_ahead(stream, None)
+
+    def _cancel_ahead(self, stream: Stream, offset: int | None) -> None:
+        """Cancel ``stream``'s readahead GETs of blocks a reader now at ``offset`` will not reach
+        next: those behind it or beyond a full window after it (all of them when None). A
+        reader that moved a little (READs answered out of order) keeps its readahead."""
+        if offset is None:
+            doomed = list(stream.ahead)
+        else:
+            first, last = offset // self.block_size, (offset + self.readahead_size) // self.block_size
+            doomed = [index for index in stream.ahead if not first <= index <= last]
+        for index in doomed:
+            stream.ahead.pop(index).cancel()
+            self.metrics.readahead_cancelled.inc()
+
+    def _readahead(self, f: FileVersion, start: int, window: int, stream: Stream | None = None) -> None:
         """Start background fetches for the blocks in [start, start+window); drop when busy."""
         if self._nursery is None or start >= f.size:
             return
@@ -322,7 +345,10 @@ class Tiers:
                 self.metrics.dropped_fills.labels("readahead", "queue_full").inc()
                 return
             self._readaheads += 1
-            self._nursery.start_soon(self._readahead_block, f, key)
+            scope = trio.CancelScope()          # cancelled by its reader moving away or closing
+            if stream is not None:
+                stream.ahead[index] = scope
+            self._nursery.start_soon(self._readahead_block, f, key, scope, stream)
 
     def readahead_file(self, f: FileVersion) -> None:
         """A small file (``_small``) was looked up and no tier holds it: start its GET now, as
@@ -356,17 +382,21 @@ class Tiers:
             log.exception("fetching %s at its lookup failed", f.path)
             raise
 
-    async def _readahead_block(self, f: FileVersion, key: BlockKey) -> None:
-        try:
-            if self.disk is not None and self.disk.contains(key):
-                await self.disk.readahead(key)     # the kernel reads the cache file ahead
-                return
-            await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter, ahead=True))
-            self.metrics.readahead_blocks.inc()
-        except StoreError as exc:
-            log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
-        finally:
-            self._readaheads -= 1
+    async def _readahead_block(self, f: FileVersion, key: BlockKey, scope: trio.CancelScope,
+                               stream: Stream | None) -> None:
+        with scope:
+            try:
+                if self.disk is not None and self.disk.contains(key):
+                    await self.disk.readahead(key)     # the kernel reads the cache file ahead
+                    return
+                await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter, ahead=True))
+                self.metrics.readahead_blocks.inc()
+            except StoreError as exc:
+                log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
+            finally:
+                self._readaheads -= 1
+                if stream is not None and stream.ahead.get(key.index) is scope:
+                    del stream.ahead[key.index]
 
     # ---- warm, check, evict (cachefs/warm/engine.py) ---------------------------------------
 
