@@ -292,8 +292,11 @@ class Bench:
                 row = self.timed(key, name, expect, functools.partial(read, mnt.mountpoint / target), meter)
                 row.extra["daemon_faults_per_mib"] = round((minor_faults(mnt.pid) - faults) / (row.nbytes / MiB), 1)
                 row.extra["daemon_peak_rss_mib"] = round(vm_hwm(mnt.pid) / MiB)
+                memory = mnt.status().get("tiers", {}).get("memory", {})
+                row.extra["memory_tier_used_mib"] = round(memory.get("used_bytes", 0) / MiB)
                 print(f"      daemon: {row.extra['daemon_faults_per_mib']:.0f} page faults per MiB, "
-                      f"peak RSS {row.extra['daemon_peak_rss_mib']} MiB", flush=True)
+                      f"peak RSS {row.extra['daemon_peak_rss_mib']} MiB, memory tier "
+                      f"{row.extra['memory_tier_used_mib']} MiB after the read", flush=True)
 
     def mount(self, endpoint_url: str, prefix: str = "") -> CachefsMount:
         cache_dir = self.args.workdir / "cache"
@@ -370,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.server} behind a {args.latency_ms:g} ms {args.proxy} proxy; memory tier "
               f"{args.mem_cache_size}; {os.cpu_count()} CPUs, kernel {platform.release()}")
     print(header, flush=True)
+    shutil.rmtree(args.workdir / "server", ignore_errors=True)     # the object is uploaded anew each run
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(start_server(args.server, args.workdir / "server"))
         client = dataset.s3_client(server.endpoint_url)

@@ -40,6 +40,7 @@ from cachefs.host import (
 )
 from cachefs.keeper import HANDOVER, Link
 from cachefs.metrics import Exporter, Metrics
+from cachefs.namespace.catalog import Catalog
 from cachefs.namespace.ids import IdLog
 from cachefs.namespace.listahead import ListAhead
 from cachefs.namespace.nodes import CONTROL_INODE
@@ -98,6 +99,8 @@ class Daemon:
         shard_read = Port("shard_read")     # PackedView -> Warmer's shard warm (--shard-warm)
         retired = Port("retired")           # Writeback -> Vfs (a staged file reached the store)
         barrier = Port("barrier")           # Writeback -> Vfs's listing snapshot (rows durable first)
+        listed = Port("listed")             # Catalog -> Vfs (a listing taken: lay the staged changes over it)
+        versioned = Port("versioned")       # Catalog -> Vfs (a warmup saw a newer version of a file)
         # max_prefetches keeps the --max-prefetches option's old name; it bounds readahead GETs
         self.tiers = Tiers(store, self.memory, self.disk, metrics,
                            block_size=cfg.block_size_for(packed is not None),
@@ -118,11 +121,15 @@ class Daemon:
         # the kernel's ids, written down for a successor (only where a keeper can start one)
         self.ids = (IdLog(os.path.join(cfg.cache_dir, "kernel-ids"), fresh=not link.takeover)
                     if link is not None else None)
-        self.vfs = Vfs(store, self.tiers, snapshot, metadata_ttl=cfg.metadata_ttl, immutable=immutable,
-                       writeback=self.writeback, fsync_remote=cfg.fsync == "remote", source=self.packed,
-                       packed=self.packed, retired=retired, barrier=barrier, ids=self.ids,
-                       generation=link.go.get("generation", 0) if link is not None else 0)
-        self.warmer = Warmer(self.vfs, self.tiers, store, metrics,
+        # every directory's listing: from the store, or from a packed dataset's index
+        self.catalog = Catalog(self.packed if self.packed is not None else store, snapshot,
+                               metadata_ttl=cfg.metadata_ttl, immutable=immutable,
+                               replayed=self.writeback.replayed_dirs if self.writeback is not None else None,
+                               listed=listed, versioned=versioned)
+        self.vfs = Vfs(store, self.tiers, self.catalog, writeback=self.writeback, fsync_remote=cfg.fsync == "remote",
+                       packed=self.packed, listed=listed, versioned=versioned, retired=retired, barrier=barrier,
+                       ids=self.ids, generation=link.go.get("generation", 0) if link is not None else 0)
+        self.warmer = Warmer(self.catalog, self.tiers, store, metrics, packed=self.packed,
                              max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
                              dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget,
                              shard_warm=cfg.shard_warm, first_read=first_read, shard_read=shard_read)
@@ -132,7 +139,7 @@ class Daemon:
                                  self._sync_command if self.writeback is not None else None,
                                  self._restart if link is not None else None)
         self.control = Control(lambda: self.vfs.new_fh(CONTROL_INODE), commands, owner_uid=uid)
-        self.lister = (ListAhead(self.vfs, store, cfg.list_ahead)          # folders listed at mount
+        self.lister = (ListAhead(self.catalog, store, cfg.list_ahead)      # folders listed at mount
                        if cfg.list_ahead and self.packed is None else None)
         # packed mounts: local loaders read the cache files (cachefs.data)
         self.cache_fds = CacheFds(cfg.cache_dir, self.packed, self.tiers) if self.packed is not None else None

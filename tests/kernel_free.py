@@ -15,6 +15,7 @@ from test_block_cache import CountingStore, make_cache
 
 from cachefs.errors import CachefsError
 from cachefs.metrics import Metrics
+from cachefs.namespace.catalog import Catalog
 from cachefs.namespace.vfs import ROOT_INODE, FsError, Node, Vfs, join, split
 from cachefs.ports import Port
 from cachefs.store import ObjectStore
@@ -28,6 +29,15 @@ def make_policy(*, log_period: float = 600.0, quiet: float = 600.0, checkpoint: 
     return SyncPolicy(("*.log", "*.txt"), ("*.pt",), small, log_period, quiet, checkpoint)
 
 
+def build_vfs(store: ObjectStore, blocks, snapshot=None, *, ttl: float = 60.0, immutable: bool = False,
+              writeback: Writeback | None = None, **kwargs) -> Vfs:
+    """A ``Vfs`` over its own ``Catalog``, the two wired as daemon.py wires them."""
+    listed, versioned = Port("listed"), Port("versioned")
+    catalog = Catalog(store, snapshot, metadata_ttl=ttl, immutable=immutable, listed=listed, versioned=versioned,
+                      replayed=writeback.replayed_dirs if writeback is not None else None)
+    return Vfs(store, blocks, catalog, writeback=writeback, listed=listed, versioned=versioned, **kwargs)
+
+
 def make_stack(store: ObjectStore, staging: str, *, policy: SyncPolicy | None = None, metrics: Metrics | None = None,
                staging_size: int = 1 << 30, staging_wait: float = 1.0, part_size: int = 5 << 20,
                fsync_remote: bool = False, ttl: float = 60.0) -> tuple[Vfs, Writeback]:
@@ -37,8 +47,8 @@ def make_stack(store: ObjectStore, staging: str, *, policy: SyncPolicy | None = 
                    staging_size=staging_size, staging_wait=staging_wait, part_size=part_size,
                    upload_concurrency=4, log_concurrency=2, retired=retired, barrier=barrier)
     blocks = make_cache(store, metrics)    # the read path, as its own tests build it
-    vfs = Vfs(store, blocks, None, metadata_ttl=ttl, immutable=False, writeback=wb, fsync_remote=fsync_remote,
-              retired=retired, barrier=barrier)
+    vfs = build_vfs(store, blocks, ttl=ttl, writeback=wb, fsync_remote=fsync_remote, retired=retired,
+                    barrier=barrier)
     return vfs, wb
 
 

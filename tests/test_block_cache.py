@@ -503,6 +503,23 @@ def test_a_sequential_reader_lets_go_of_the_blocks_it_has_read(bucket_mem, tmp_p
     assert metrics.counter_value("cachefs_readahead_wasted_bytes_total") == 0
 
 
+def test_blocks_read_whole_out_of_order_leave_the_memory_tier_too(bucket_mem):
+    """READs that waited for a GET complete in any order: a block goes once all its bytes are read."""
+    data, store, f = bucket_mem.one_file(blob(20, 3 * BS))
+    cache = make_cache(store, Metrics(), mem=64 << 20)
+    pieces = [(o, min(o + BS // 3, f.size)) for o in range(BS // 8, f.size, BS // 3)] + [(0, BS // 8)]
+    random.Random(3).shuffle(pieces)
+
+    async def main():
+        async with serving(cache):
+            stream = Stream()
+            for start, end in pieces:
+                assert bytes(await cache.read(f, start, end - start, stream)) == data[start:end]
+            assert [i for i in range(3) if cache.memory.contains(cache.key(f, i))] == []
+            assert stream.consumed == {}
+    trio.run(main)
+
+
 def test_a_shared_stream_keeps_the_blocks_it_has_read(bucket_mem):
     """A packed shard's stream serves every member's reader: a member read to the end of a block
     must not drop the block the next member reads."""

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import trio
-from kernel_free import WriteCountingStore, make_stack, running
+from kernel_free import WriteCountingStore, build_vfs, make_stack, running
 from test_block_cache import MemoryBucket, make_cache
 from test_vfs import TREE, listdir, walk
 
@@ -83,8 +83,7 @@ def test_a_handle_number_names_its_inode():
 
 
 def _vfs(store, ids, generation, wb=None) -> Vfs:
-    return Vfs(store, make_cache(store, Metrics()), None, metadata_ttl=60.0, immutable=False, ids=ids,
-               generation=generation, writeback=wb)
+    return build_vfs(store, make_cache(store, Metrics()), ids=ids, generation=generation, writeback=wb)
 
 
 def test_a_successor_serves_the_ids_its_predecessor_handed_out(tmp_path):

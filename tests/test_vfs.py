@@ -9,6 +9,7 @@ import types
 
 import pytest
 import trio
+from kernel_free import build_vfs
 from test_block_cache import BS, MemoryBucket, make_cache
 
 from cachefs.control.server import Control
@@ -16,6 +17,7 @@ from cachefs.errors import Unreachable, VersionChanged
 from cachefs.fuse.types import FuseError
 from cachefs.fuse_ops import Operations
 from cachefs.metrics import Metrics
+from cachefs.namespace import catalog as catalog_module
 from cachefs.namespace import vfs as vfs_module
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import ROOT_INODE, FsError, Vfs
@@ -44,6 +46,7 @@ class Clock:
 def clock(monkeypatch) -> Clock:
     fake = Clock()
     monkeypatch.setattr(vfs_module, "time", fake)
+    monkeypatch.setattr(catalog_module, "time", fake)
     return fake
 
 
@@ -58,7 +61,7 @@ def bucket_mem():
 
 def make_vfs(store, *, snapshot_dir=None, ttl: float = TTL, immutable: bool = False) -> Vfs:
     snapshot = ListingSnapshot(str(snapshot_dir), store.identity) if snapshot_dir else None
-    return Vfs(store, make_cache(store, Metrics()), snapshot, metadata_ttl=ttl, immutable=immutable)
+    return build_vfs(store, make_cache(store, Metrics()), snapshot, ttl=ttl, immutable=immutable)
 
 
 async def walk(vfs: Vfs, path: str):
@@ -170,11 +173,11 @@ def test_listing_ahead_is_skipped_on_a_remount_within_the_ttl(bucket_mem, tmp_pa
         await listdir(first, ROOT_INODE)              # the root listing is saved
         first.close()
         second = make_vfs(store, snapshot_dir=tmp_path)
-        lister = ListAhead(second, store, 1000)
+        lister = ListAhead(second.catalog, store, 1000)
         await lister.run()
         assert lister.status()["state"] == "skipped" and trees == []
         clock.advance(TTL + 1)
-        lister = ListAhead(second, store, 1000)
+        lister = ListAhead(second.catalog, store, 1000)
         await lister.run()
         assert lister.status()["state"] == "done" and len(trees) == 1
         second.close()
@@ -411,7 +414,7 @@ def test_listing_ahead_lists_every_folder_and_a_failure_drops_what_it_gave(bucke
     async def main():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(vfs.blocks.run)
-            lister = ListAhead(vfs, store, 1000)
+            lister = ListAhead(vfs.catalog, store, 1000)
             await lister.run()
             assert lister.status()["state"] == ("failed" if fail else "done")
             assert lister.status()["taken"] == (0 if fail else 3)

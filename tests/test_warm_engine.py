@@ -5,10 +5,10 @@ import time
 
 import pytest
 import trio
+from kernel_free import build_vfs
 from test_block_cache import BS, blob, bucket_mem, make_cache  # noqa: F401  (fixture)
 
 from cachefs.metrics import Metrics
-from cachefs.namespace.vfs import Vfs
 from cachefs.tiers.cache import FileVersion
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk.index import Entry, SegmentedLRU
@@ -22,8 +22,7 @@ def run_with(bucket, tmp_path, body, *, capacity: int = 64 << 20):
         store = bucket.store()
         disk = DiskTier(tmp_path / "blocks", capacity=capacity, free_space_ratio=0.0, metrics=metrics, fsync=False)
         blocks = make_cache(store, metrics, disk)
-        vfs = Vfs(store, blocks, None, metadata_ttl=3600, immutable=False)
-        pre = Warmer(vfs, blocks, store, metrics, max_concurrency=8)
+        pre = Warmer(build_vfs(store, blocks, ttl=3600).catalog, blocks, store, metrics, max_concurrency=8)
         async with trio.open_nursery() as nursery:
             await nursery.start(blocks.run)                 # runs the disk tier too
             await nursery.start(pre.run)
@@ -55,7 +54,7 @@ def test_an_object_changed_during_warmup_is_cached_at_its_new_version(bucket_mem
         assert len(store.gets) == gets                  # served from the disk tier
         old_version = FileVersion("ds/a.bin", "", len(old))
         assert not any(block.disk for block in blocks.check(old_version))
-        assert pre.vfs._dirs["ds"].files["a.bin"].etag == version.etag     # the vfs shows the new one
+        assert pre.catalog.cached("ds").files["a.bin"].etag == version.etag     # the listing shows the new one
 
     run_with(bucket_mem, tmp_path, body)
 

@@ -9,13 +9,13 @@ import random
 
 import pytest
 import trio
-from kernel_free import Driver, WriteCountingStore, make_policy, make_stack, running
+from kernel_free import Driver, WriteCountingStore, build_vfs, make_policy, make_stack, running
 from test_block_cache import MemoryBucket, count
 
 from cachefs.errors import NoSuchKey, Unreachable
 from cachefs.metrics import Metrics
 from cachefs.namespace.dirs import DirState, UnionSource
-from cachefs.namespace.vfs import ROOT_INODE, FsError, Vfs
+from cachefs.namespace.vfs import ROOT_INODE, FsError
 from cachefs.store import Listing, ObjectInfo
 from cachefs.writeback.commands import sync_command
 from cachefs.writeback.journal import Journal
@@ -313,7 +313,7 @@ def test_posix_errors_a_caller_sees(bucket, tmp_path):
 def test_a_read_only_vfs_refuses_every_write(bucket):
     store = counted(bucket)
     from test_block_cache import make_cache
-    vfs = Vfs(store, make_cache(store, Metrics()), None, metadata_ttl=60, immutable=False)
+    vfs = build_vfs(store, make_cache(store, Metrics()))
     assert not vfs.writable and vfs.statfs().capacity is None
 
     async def main():

@@ -33,7 +33,7 @@ class NameChanges:
             await wb.truncate(entry, 0)
         else:
             entry = await wb.create(path, remote=name in state.files)
-        self._set_file(path, staged_info(entry))
+        self.catalog.set_file(path, staged_info(entry))
         node = self._node_for(path, False, None)
         node.show(entry)
         self.remember(node)
@@ -46,7 +46,7 @@ class NameChanges:
             raise FsError(errno.EEXIST)
         path = join(parent.path, name)
         await wb.make_dir(path)
-        self._set_dir(path, True)
+        self.catalog.set_dir(path, True)
         self._saved.dir_changed(path, True)
         node = self._node_for(path, True, None)
         self.remember(node)
@@ -65,7 +65,7 @@ class NameChanges:
         if not await self._empty_dir(path):
             raise FsError(errno.ENOTEMPTY)
         await wb.remove_dir(path)
-        self._set_dir(path, False)
+        self.catalog.set_dir(path, False)
         self._saved.dir_changed(path, False)
         self._nodes.unlink(path)
 
@@ -82,7 +82,7 @@ class NameChanges:
             await wb.delete(path)
         else:
             raise FsError(errno.ENOENT)
-        self._set_file(path, None)
+        self.catalog.set_file(path, None)
         self._saved.file_changed(path, None)
         self._nodes.unlink(path)
 
@@ -113,9 +113,9 @@ class NameChanges:
         entry = wb.staged(old)
         if entry is not None:
             await wb.move(entry, new, replaces_object=replaces and wb.staged(new) is None)
-            self._set_file(old, None)
+            self.catalog.set_file(old, None)
             self._saved.file_changed(old, None)        # the new name's row comes with its upload
-            self._set_file(new, staged_info(entry))
+            self.catalog.set_file(new, staged_info(entry))
             return
         # A file only in the store: a server-side copy now, the old name deleted by a tombstone.
         with self._saved.stale_while(split(new)[0]):       # no record covers the copy
@@ -126,9 +126,9 @@ class NameChanges:
             await wb.unlink(other)
         wb.cancel_delete(new)
         await wb.delete(old)
-        self._set_file(old, None)
+        self.catalog.set_file(old, None)
         self._saved.file_changed(old, None)
-        self._set_file(new, info)
+        self.catalog.set_file(new, info)
         self._uploaded[new] = (info, time.time())
 
     async def _rename_dir(self, old: str, new: str, dst: DirState, new_name: str) -> None:
@@ -142,8 +142,8 @@ class NameChanges:
             raise FsError(errno.ENOTEMPTY)
         await self.wb.make_dir(new)
         await self.wb.remove_dir(old)
-        self._set_dir(old, False)
-        self._set_dir(new, True)
+        self.catalog.set_dir(old, False)
+        self.catalog.set_dir(new, True)
         self._saved.dir_changed(old, False)
         self._saved.dir_changed(new, True)
 

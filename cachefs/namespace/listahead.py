@@ -5,8 +5,8 @@ some reader's critical path; here they become a few pages fetched in the backgro
 first reads run. rclone's ``--fast-list`` trades the same way (one recursive listing for many
 per-directory ones).
 
-A directory is handed to the vfs as soon as the listing has passed it (keys come sorted, so the
-keys of one directory are contiguous), and the vfs takes it only if nothing listed it meanwhile.
+A directory is handed to the catalog as soon as the listing has passed it (keys come sorted, so
+the keys of one directory are contiguous), which takes it only if nothing listed it meanwhile.
 Bounded by ``--list-ahead`` objects: past that the directories still open are left to their own
 LISTs. A listing that fails (or a server whose keys come out of order) drops what it installed.
 """
@@ -18,7 +18,7 @@ import time
 import trio
 
 from cachefs.errors import StoreError
-from cachefs.namespace.vfs import Vfs
+from cachefs.namespace.catalog import Catalog
 from cachefs.store import Listing, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,11 @@ log = logging.getLogger(__name__)
 class ListAhead:
     """The listing ahead of one mount, and what ``cachefs status`` says of it."""
 
-    def __init__(self, vfs: Vfs, store: ObjectStore, limit: int) -> None:
-        self.vfs, self.store, self.limit = vfs, store, limit
+    def __init__(self, catalog: Catalog, store: ObjectStore, limit: int) -> None:
+        self.catalog, self.store, self.limit = catalog, store, limit
         self.state = "waiting"       # -> running -> done | stopped at the limit | failed; or skipped
         self.folders = 0             # complete folders the listing gave
-        self.taken: list[str] = []   # ... that the vfs took (no listing of its own yet)
+        self.taken: list[str] = []   # ... that the catalog took (no listing of its own yet)
         self.seconds = 0.0
 
     def status(self) -> dict:
@@ -40,9 +40,9 @@ class ListAhead:
 
     async def run(self) -> None:
         """List the whole mount in the background; returns when done, failed or cancelled."""
-        vfs = self.vfs
-        saved_at = vfs.snapshot.listed_at("") if vfs.snapshot is not None else None
-        if saved_at is not None and vfs.is_fresh(saved_at):
+        catalog = self.catalog
+        saved_at = catalog.snapshot.listed_at("") if catalog.snapshot is not None else None
+        if saved_at is not None and catalog.is_fresh(saved_at):
             self.state = "skipped"           # a remount within the TTL: the listings were saved
             return
         self.state, started, stop = "running", time.time(), threading.Event()
@@ -50,7 +50,7 @@ class ListAhead:
         def install(prefix: str, listing: Listing) -> None:         # in the trio thread
             self.folders += 1
             path = prefix[:-1]                                        # "a/b/" -> "a/b", "" -> ""
-            if vfs.install_listing(path, listing, started):
+            if catalog.install(path, listing, started):
                 self.taken.append(path)
 
         def walk() -> bool:
@@ -69,7 +69,7 @@ class ListAhead:
         except StoreError as exc:
             self.state = "failed"
             log.info("listing ahead failed (%s); each folder is listed on its first lookup", exc)
-            vfs.drop_listings(set(self.taken))
+            catalog.drop(set(self.taken))
             self.taken.clear()
             return
         finally:

@@ -1,11 +1,12 @@
 """The namespace: directories from prefixes, files from objects, inodes and handles.
 
 Kernel-free: ``fuse_ops`` turns these calls into FUSE replies. All state here is
-owned by the trio thread; store calls run in worker threads. Listings come from a
-``DirSource`` (the store by default) and are cached in memory and in the on-disk
-``ListingSnapshot``; they are fresh for ``metadata_ttl`` seconds (forever when the
-dataset is immutable). The write-back is asked only what is staged (``staged``,
-``overlay``, ``space``); ``nodes``, ``dirs`` and ``handles`` hold the plain data.
+owned by the trio thread; store calls run in worker threads. Listings are the
+``Catalog``'s (``catalog.py``: listed, saved, fresh for ``metadata_ttl`` seconds or
+forever when the dataset is immutable); this module lays what the write-back has
+staged over each listing it takes, and keeps the nodes. The write-back is asked only
+what is staged (``staged``, ``overlay``, ``space``); ``nodes``, ``dirs`` and
+``handles`` hold the plain data.
 """
 
 import errno
@@ -19,16 +20,15 @@ import trio
 from cachefs.control.protocol import CONTROL_NAME
 from cachefs.errors import NeedsWait, NoSuchKey, StoreError
 from cachefs.namespace.adopt import Adoption
+from cachefs.namespace.catalog import Catalog
 from cachefs.namespace.changes import NameChanges
-from cachefs.namespace.dirs import DirHandle, DirSource, DirState, dir_prefix, join, split
+from cachefs.namespace.dirs import DirHandle, DirState, dir_prefix, join, split
 from cachefs.namespace.handles import Handle, fh_inode
 from cachefs.namespace.ids import IdLog
 from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, FsStats, Node, NodeTable
 from cachefs.namespace.packed import PACKED_DIR, PackedView
-from cachefs.namespace.snapshot import ListingSnapshot, NoSnapshot
 from cachefs.ports import Port
-from cachefs.singleflight import SingleFlight
-from cachefs.store import Listing, ObjectInfo, ObjectStore
+from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
 from cachefs.writeback.engine import Writeback
 from cachefs.writeback.staged import StagedFile, Superseded
@@ -38,93 +38,48 @@ __all__ = ["CONTROL_INODE", "CONTROL_NAME", "ROOT_INODE", "DirState", "FsError",
 
 log = logging.getLogger(__name__)
 
-OUTAGE_RETRY = 5.0      # seconds between revalidation attempts while the store is failing
-
 
 class Vfs(NameChanges, Adoption):
-    def __init__(self, store: ObjectStore, blocks: Tiers, snapshot: ListingSnapshot | None, *,
-                 metadata_ttl: float, immutable: bool, list_limiter: trio.CapacityLimiter | None = None,
-                 writeback: Writeback | None = None, fsync_remote: bool = False,
-                 source: DirSource | None = None, packed: PackedView | None = None,
-                 retired: Port | None = None, barrier: Port | None = None, ids: IdLog | None = None,
-                 generation: int = 0) -> None:
+    def __init__(self, store: ObjectStore, blocks: Tiers, catalog: Catalog, *,
+                 writeback: Writeback | None = None, fsync_remote: bool = False, packed: PackedView | None = None,
+                 listed: Port | None = None, versioned: Port | None = None, retired: Port | None = None,
+                 barrier: Port | None = None, ids: IdLog | None = None, generation: int = 0) -> None:
         self.store = store
-        self.packed = packed        # a packed dataset's view (namespace/packed.py), also its source
-        self.source: DirSource = source if source is not None else store   # what lives under a directory
+        self.catalog = catalog      # every directory's listing (catalog.py)
+        self.packed = packed        # a packed dataset's view (namespace/packed.py), also the catalog's source
         self.wb = writeback         # None: a read-only mount (EROFS)
         self.fsync_remote = fsync_remote
         self._uploaded: dict[str, tuple[ObjectInfo, float]] = {}   # retired lately: for racing listings
-        self._saved = snapshot if snapshot is not None else NoSnapshot()   # told of the mount's own changes
-        self._replayed = writeback.replayed_dirs if writeback is not None else set()   # relisted once at start
+        self._saved = catalog.saved                     # told of the mount's own changes
+        if listed is not None:
+            listed.connect(self._listed)                # the catalog took a listing
+        if versioned is not None:
+            versioned.connect(self._versioned)          # a warmup saw a newer version
         if retired is not None:
             retired.connect(self._retired)              # a staged file reached the store
         if barrier is not None:
             barrier.connect(self._saved.sync)           # rows durable before the record covering them goes
         self.blocks = blocks
-        self.snapshot = snapshot
-        self.ttl = metadata_ttl
-        self.immutable = immutable
-        self._limiter = list_limiter or trio.CapacityLimiter(16)
+        self._limiter = catalog.limiter
         self._nodes = NodeTable(time.time(), ids)
-        self._dirs: dict[str, DirState] = {}
-        self._listings = SingleFlight()
         self._next_fh = itertools.count(1)
         self.generation = generation        # 0: a new mount; n: the n-th daemon to serve it (keeper.py)
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, DirHandle] = {}
 
-    # ---- freshness and listings -------------------------------------------------------------
+    # ---- freshness and listings (catalog.py) ------------------------------------------------
     def is_fresh(self, stamp: float) -> bool:
-        return self.immutable or time.time() - stamp < self.ttl
-
-    def _retry_stamp(self) -> float:
-        """A freshness stamp after a failed revalidation: try the store again in at most
-        OUTAGE_RETRY seconds, instead of waiting out its retries on every lookup."""
-        return time.time() - self.ttl + min(self.ttl, OUTAGE_RETRY)
+        return self.catalog.is_fresh(stamp)
 
     async def dir_state(self, path: str) -> DirState:
-        state = self._dirs.get(path)
-        if state is not None and self.is_fresh(state.listed_at):
-            return state
-        if state is None and self.snapshot is not None:
-            saved = self.snapshot.load(dir_prefix(path))
-            if saved is not None:
-                state = self._dirs[path] = DirState.from_listing(saved[1], saved[0])
-                self._overlay(path, state)
-                if self.is_fresh(state.listed_at) and path not in self._replayed:   # see docs/writeback.md
-                    return state
-        return await self._listings.do(path, lambda: self._relist(path, state))
+        return await self.catalog.state(path)
 
-    def install_listing(self, path: str, listing: Listing, listed_at: float) -> bool:
-        """A directory's listing found ahead (``listahead.py``): taken unless it has one already."""
-        if path in self._dirs or path in self._replayed or self._listings.in_flight(path):
-            return False
-        self._dirs[path] = DirState.from_listing(listing, listed_at)
-        self._saved.save(dir_prefix(path), listing, listed_at)
-        self._overlay(path, self._dirs[path])
-        return True
-
-    def drop_listings(self, paths: set[str]) -> None:
-        self._dirs = {path: state for path, state in self._dirs.items() if path not in paths}   # relisted
-
-    async def _relist(self, path: str, stale: DirState | None) -> DirState:
-        prefix = dir_prefix(path)
-        started = time.time()
-        try:
-            listing = await trio.to_thread.run_sync(self.source.list_dir, prefix, limiter=self._limiter)
-        except StoreError as exc:
-            if stale is None:
-                raise
-            log.info("listing %r failed (%s); serving the previous listing", prefix, exc)
-            stale.listed_at = self._retry_stamp()
-            return stale
-        state = self._dirs[path] = DirState.from_listing(listing, started)
-        if self.snapshot is not None:
-            self.snapshot.save(prefix, listing, started)
-        self._replayed.discard(path)
-        self._refresh_known_children(path, state, started)
+    def _listed(self, path: str, state: DirState, from_store: bool) -> None:
+        """The catalog took a listing of ``path``: lay the staged changes over it; one fresh from
+        the store also refreshes the nodes of the files it names."""
+        if from_store:
+            self._refresh_known_children(path, state, state.listed_at)
         self._overlay(path, state)
-        return state
 
     def _refresh_known_children(self, path: str, state: DirState, now: float) -> None:
         for name, info in state.files.items():
@@ -191,8 +146,8 @@ class Vfs(NameChanges, Adoption):
         if self.packed is not None and parent.inode == ROOT_INODE and name == PACKED_DIR:
             node = self._node_for(PACKED_DIR, True, None)
         else:
-            state = self._dirs.get(parent.path)
-            if state is None or not self.is_fresh(state.listed_at) or parent.path in self._replayed:
+            state = self.catalog.fresh(parent.path)
+            if state is None:
                 raise NeedsWait
             node = self._child_in(state, parent, name)
         self.remember(node)
@@ -252,19 +207,12 @@ class Vfs(NameChanges, Adoption):
         except StoreError as exc:
             # the store is down: keep serving the version we know (its blocks may be cached)
             log.info("revalidating %s failed (%s); serving the known version", node.path, exc)
-            node.checked_at = self._retry_stamp()
+            node.checked_at = self.catalog.retry_stamp()
             return
         if info.etag != node.etag:
             log.info("%s changed in the store (ETag %s -> %s)", node.path, node.etag, info.etag)
         self._nodes.update(node, info, time.time())
-        self._publish(info)
-
-    def _publish(self, info: ObjectInfo) -> None:
-        """A newer version seen by a HEAD: the parent's cached listing and the snapshot show it,
-        so a later lookup from an older listing never reverts a node to the old version."""
-        self._set_file(info.path, info)
-        if self.snapshot is not None:
-            self.snapshot.update_file(info)
+        self.catalog.publish(info)
 
     # ---- directories ------------------------------------------------------------------------
     async def opendir(self, inode: int) -> int:
@@ -410,8 +358,7 @@ class Vfs(NameChanges, Adoption):
             self.forget(handle.node.inode, 0)
 
     def close(self) -> None:
-        if self.snapshot is not None:
-            self.snapshot.close()
+        self.catalog.close()
         if self.wb is not None:
             self.wb.close()
 
@@ -495,29 +442,6 @@ class Vfs(NameChanges, Adoption):
             raise FsError(errno.ENOTDIR)
         return parent, await self.dir_state(parent.path)
 
-    def _cached_state(self, path: str) -> DirState | None:
-        return self._dirs.get(path)
-
-    def _set_file(self, path: str, info: ObjectInfo | None) -> None:
-        """Show (``info``) or hide (None) a file in its parent's cached listing."""
-        parent, name = split(path)
-        state = self._cached_state(parent)
-        if state is not None:
-            if info is None:
-                state.files.pop(name, None)
-            else:
-                state.files[name] = info
-
-    def _set_dir(self, path: str, present: bool) -> None:
-        parent, name = split(path)
-        state = self._cached_state(parent)
-        if state is not None:
-            (state.dirs.add if present else state.dirs.discard)(name)
-        if present:
-            self._dirs[path] = DirState(time.time(), {}, set())
-        else:
-            self._dirs.pop(path, None)
-
     def _retired(self, entry: StagedFile, info: ObjectInfo) -> None:
         """``entry`` is in the store as ``info``: serve it through the block cache from now on."""
         now = time.time()
@@ -528,38 +452,14 @@ class Vfs(NameChanges, Adoption):
             for handle in self.handles.values():
                 if handle.node is node:
                     handle.file = None
-        self._set_file(entry.path, info)
+        self.catalog.set_file(entry.path, info)
         self._uploaded[entry.path] = (info, now)
         if len(self._uploaded) > 10000:
             self._uploaded = {p: v for p, v in self._uploaded.items() if now - v[1] < 300}
         self._saved.file_changed(entry.path, info)
 
-    # ---- warmup (cachefs/warm/engine.py) ----------------------------------------------------
-    def adopt_tree(self, path: str, infos: list[ObjectInfo], listed_at: float) -> None:
-        """Take a recursive listing (every object below directory ``path``, as ``list_all``
-        returns it) as the listing of ``path`` and of each directory under it, in memory and
-        in the snapshot: reading the tree then issues no LIST until the TTL runs out."""
-        prefix = dir_prefix(path)
-        listings: dict[str, Listing] = {path: Listing()}
-        for info in infos:
-            parent = path
-            for name in info.path[len(prefix):].split("/")[:-1]:
-                child = join(parent, name)
-                if child not in listings:
-                    listings[child] = Listing()
-                    listings[parent].dirs.append(name)
-                parent = child
-            listings[parent].files.append(info)
-        for dir_path, listing in listings.items():
-            state = self._dirs[dir_path] = DirState.from_listing(listing, listed_at)
-            if self.snapshot is not None:
-                self.snapshot.save(dir_prefix(dir_path), listing, listed_at)
-            self._refresh_known_children(dir_path, state, listed_at)
-            self._overlay(dir_path, state)
-
-    def adopt_file(self, info: ObjectInfo) -> None:
-        """A newer version of a file (a warmup's HEAD after a 412): show it from now on."""
+    def _versioned(self, info: ObjectInfo) -> None:
+        """A newer version of a file (a warmup's HEAD after a 412): its node shows it from now on."""
         node = self._nodes.at(info.path)
         if node is not None and node.is_store_file:
             self._nodes.update(node, info, time.time())
-        self._publish(info)

@@ -47,6 +47,7 @@ from cachefs.tiers.memory import MemoryTier
 log = logging.getLogger(__name__)
 
 PRELOAD_MAX = 1 << 20     # largest file pushed into the kernel page cache at open
+_CONSUMED_MAX = 4096      # blocks a stream counts the bytes read of (drop-behind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,17 +70,18 @@ class BlockState(NamedTuple):
 
 
 class Stream:
-    """Per-handle sequential-access state that drives readahead. ``drop_behind``: blocks this
-    reader has read to their end in order leave the memory tier (the kernel page cache and the
-    disk tier hold them); off for a stream that several readers share (a packed shard's)."""
+    """Per-handle sequential-access state that drives readahead. ``drop_behind``: a block this
+    reader has read all of leaves the memory tier (the kernel page cache and the disk tier hold
+    it); off for a stream that several readers share (a packed shard's)."""
 
-    __slots__ = ("next_offset", "window", "drop_behind", "ahead")
+    __slots__ = ("next_offset", "window", "drop_behind", "ahead", "consumed")
 
     def __init__(self, *, drop_behind: bool = True) -> None:
         self.next_offset = 0
         self.window = 0
         self.drop_behind = drop_behind
         self.ahead: dict[int, trio.CancelScope] = {}     # block index -> its readahead GET under way
+        self.consumed: dict[int, int] = {}               # block index -> bytes of it read (drop_behind)
 
     def advance(self, offset: int, end: int, block_size: int, max_window: int) -> int:
         """Record a read of [offset, end); return the readahead window in bytes (0: none)."""
@@ -199,21 +201,30 @@ class Tiers:
             if window:
                 self.metrics.readahead_window.observe(window)
                 self._readahead(f, end, window, stream)
-                if stream.drop_behind:
-                    self._drop_behind(f, offset, end)
+            if stream.drop_behind:
+                self._drop_behind(f, offset, end, stream)
         self.metrics.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _drop_behind(self, f: FileVersion, offset: int, end: int) -> None:
-        """A sequential reader has read the blocks that end in [offset, end]: the kernel page
-        cache has them, the disk tier has them or is writing them, and this reader will not come
-        back; the memory tier lets them go. A cold 1 GiB checkpoint then leaves the daemon's
-        memory at the readahead window instead of 1 GiB, and a new block reuses the memory of
-        one just read instead of memory the kernel must fault in page by page."""
-        bs = self.block_size
-        stop = end // bs if end < f.size else (end - 1) // bs + 1     # blocks [., stop) end by `end`
-        for index in range(offset // bs, stop):
-            self.memory.discard(self.key(f, index))
+    def _drop_behind(self, f: FileVersion, offset: int, end: int, stream: Stream) -> None:
+        """Count the bytes of each block this reader has read; a block read whole (in any order:
+        READs that waited for a GET complete out of order) is in the kernel page cache, the disk
+        tier has it or is writing it, and the memory tier lets it go. A cold 1 GiB checkpoint then
+        leaves the daemon's memory at the readahead window instead of 1 GiB, and a new block
+        reuses the memory of one just read instead of memory the kernel must fault in page by
+        page. (A range read twice counts twice: the block may go a little early, and is then
+        read from the disk tier.)"""
+        bs, consumed = self.block_size, stream.consumed
+        for index in range(offset // bs, (end - 1) // bs + 1):
+            base = index * bs
+            got = consumed.get(index, 0) + min(end, base + bs) - max(offset, base)
+            if got >= min(bs, f.size - base):
+                consumed.pop(index, None)
+                self.memory.discard(self.key(f, index))
+            else:
+                consumed[index] = got
+        if len(consumed) > _CONSUMED_MAX:     # a random reader touching many blocks: start again
+            consumed.clear()
 
     # ---- handing cache files to the kernel (FUSE passthrough: handover.py) ----------------------
     def exact_file_now(self, f: FileVersion) -> ExactFile | None:

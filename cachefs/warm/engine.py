@@ -1,7 +1,7 @@
 """The daemon side of `cachefs warmup`: fill the disk tier with a dataset, below readers.
 
 A warmup request names paths, globs or a manifest (``WarmSpec``). The ``Warmer`` lists them
-with one recursive LIST per directory and hands the listing to the vfs (so the first epoch
+with one recursive LIST per directory and hands the listing to the catalog (so the first epoch
 issues no LIST), plans the blocks that are not on the disk tier, checks that they fit, then
 runs ``concurrency`` workers that GET blocks (small objects whole, large ones as parallel
 ranged GETs of one block each) and write them straight to the disk tier with back-pressure.
@@ -34,7 +34,9 @@ import trio
 
 from cachefs.errors import NoSuchKey, StoreError, UsageError, VersionChanged
 from cachefs.metrics import Metrics, WarmupMetrics
-from cachefs.namespace.vfs import Vfs, dir_prefix, split
+from cachefs.namespace.catalog import Catalog
+from cachefs.namespace.dirs import dir_prefix, split
+from cachefs.namespace.packed import PackedView
 from cachefs.ports import Port
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
@@ -49,11 +51,12 @@ MAX_UPLOAD_PATHS = 10_000_000
 class Warmer:
     """Runs warm jobs (``cachefs warmup``, and the ``--prefetch-dataset`` watch) over ``tiers``."""
 
-    def __init__(self, vfs: Vfs, tiers: Tiers, store: ObjectStore, metrics: Metrics, *,
-                 max_concurrency: int, immutable: bool = False, dataset_watch: bool = False,
-                 dataset_budget: int = 0, shard_warm: bool = False, first_read: Port | None = None,
-                 shard_read: Port | None = None) -> None:
-        self.vfs = vfs
+    def __init__(self, catalog: Catalog, tiers: Tiers, store: ObjectStore, metrics: Metrics, *,
+                 packed: PackedView | None = None, max_concurrency: int, immutable: bool = False,
+                 dataset_watch: bool = False, dataset_budget: int = 0, shard_warm: bool = False,
+                 first_read: Port | None = None, shard_read: Port | None = None) -> None:
+        self.catalog = catalog      # listings: what a dataset spec names
+        self.packed = packed        # a packed dataset: its index names the shards to warm
         self.tiers = tiers
         self.store = store
         self.max_concurrency = max(1, max_concurrency)
@@ -70,7 +73,7 @@ class Warmer:
             if first_read is not None:
                 first_read.connect(self.watcher.on_first_read)
         self.shards = None
-        if shard_warm and vfs.packed is not None:
+        if shard_warm and packed is not None:
             from cachefs.warm.dataset_watch import ShardWatcher
             self.shards = ShardWatcher(self, dataset_budget or tiers.disk_capacity // 2)
             if shard_read is not None:
@@ -335,7 +338,7 @@ class Warmer:
             return
         log.info("warmup: %s changed in the store (ETag %s -> %s); warming the new version",
                  old.path, old.etag, info.etag)
-        self.vfs.adopt_file(info)
+        self.catalog.adopt_file(info)
         work.version = FileVersion(info.path, info.etag, info.size)
         job.bytes += info.size - old.size
         indices = range(self.tiers.block_count(work.version))
@@ -376,8 +379,8 @@ class Warmer:
         """The objects a spec names (each once, in path order), and the paths that name nothing.
         On a packed dataset: the whole shards holding the files it names (fetched at link speed,
         one block GET after another, instead of file by file), with no LIST."""
-        if self.vfs.packed is not None:
-            return await trio.to_thread.run_sync(self.vfs.packed.resolve, spec.paths, spec.globs,
+        if self.packed is not None:
+            return await trio.to_thread.run_sync(self.packed.resolve, spec.paths, spec.globs,
                                                  lambda g: (glob_regex(g), static_dir(g)),
                                                  limiter=self._list_limiter)
         found: dict[str, ObjectInfo] = {}
@@ -400,7 +403,7 @@ class Warmer:
             return await self._list_tree("")
         parent, name = split(path)
         try:
-            state = await self.vfs.dir_state(parent)
+            state = await self.catalog.state(parent)
         except NoSuchKey:
             return []
         if name in state.dirs:
@@ -409,12 +412,12 @@ class Warmer:
         return [info] if info is not None else []
 
     async def _list_tree(self, path: str) -> list[ObjectInfo]:
-        """One recursive (paginated) LIST of directory ``path``, adopted by the vfs."""
+        """One recursive (paginated) LIST of directory ``path``, adopted by the catalog."""
         started = time.time()
         infos = await trio.to_thread.run_sync(lambda: list(self.store.list_all(dir_prefix(path))),
                                               limiter=self._list_limiter)
         if infos:
-            self.vfs.adopt_tree(path, infos, started)
+            self.catalog.adopt_tree(path, infos, started)
         return infos
 
     def check(self, files: list[ObjectInfo], missing: list[str]) -> dict:
