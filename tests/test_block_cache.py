@@ -557,6 +557,8 @@ def test_a_reader_that_moves_away_or_closes_cancels_its_readahead(bucket_mem):
                 await until(lambda: count(metrics, "singleflight_joins") == 1)
                 await cache.read(f, BS + 100, 10, away)            # moved a little: kept
                 assert list(away.ahead) == [2] and cancelled() == 0
+                await cache.read(f, 3 * BS, 10, away)              # past it, as the kernel's readahead
+                assert list(away.ahead) == [2] and cancelled() == 0   # READs go: kept too
                 assert await cache.read(f, 9 * BS, BS, away) == data[9 * BS:10 * BS]   # moved away
                 assert away.ahead == {} and cancelled() == 1
                 await cache.read(f, 4 * BS, BS, closing)

@@ -329,13 +329,16 @@ class Tiers:
         self._cancel_ahead(stream, None)
 
     def _cancel_ahead(self, stream: Stream, offset: int | None) -> None:
-        """Cancel ``stream``'s readahead GETs of blocks a reader now at ``offset`` will not reach
-        next: those behind it or beyond a full window after it (all of them when None). A
-        reader that moved a little (READs answered out of order) keeps its readahead."""
+        """Cancel ``stream``'s readahead GETs of blocks more than a full window away from a reader
+        now at ``offset`` (all of them when None). A reader that moved less keeps its readahead:
+        the kernel's own readahead sends READs up to ``read_ahead_kb`` ahead of the reader, and
+        READs that waited complete out of order (a first version that also cancelled the blocks
+        just behind such a READ sent a second GET for some blocks of a sequential read)."""
         if offset is None:
             doomed = list(stream.ahead)
         else:
-            first, last = offset // self.block_size, (offset + self.readahead_size) // self.block_size
+            window = self.readahead_size
+            first, last = max(0, offset - window) // self.block_size, (offset + window) // self.block_size
             doomed = [index for index in stream.ahead if not first <= index <= last]
         for index in doomed:
             stream.ahead.pop(index).cancel()
