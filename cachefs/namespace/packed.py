@@ -214,9 +214,9 @@ class PackedView:
     async def _range(self, ref: PackedRef, offset: int, end: int, stream: Stream | None = None) -> bytes:
         """Bytes [offset, end) of a packed file. A file of more than two blocks (a checkpoint, a
         video packed into a shard of its own) is read with its handle's ``stream``, as an
-        unpacked file is: its readahead follows that reader, and the blocks it has read to their
-        end leave the memory tier (only its first block can hold another file's bytes: a
-        neighbour reads that one from the disk tier). Smaller files share the shard's stream."""
+        unpacked file is: its readahead follows that reader, and the blocks it has read all of
+        leave the memory tier (its first and last blocks, which hold other files' bytes too, are
+        never read whole by it and stay). Smaller files share the shard's stream."""
         if stream is None or ref.size <= 2 * self.tiers.block_size:
             stream = self._stream(ref, offset, end)
         return await self.tiers.read(ref.file, ref.offset + offset, end - offset, stream)

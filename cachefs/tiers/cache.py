@@ -22,7 +22,7 @@ own, so readahead never queues a reader). A disk-tier hit whose pages are reside
 inline (``RWF_NOWAIT``), a cold one in a worker thread (see ``disk/reader.py``). Sequential
 readers get a readahead window that doubles while they stay sequential; a readahead that cannot
 start at once is dropped and counted, never queued; a reader that closes its file or moves away
-cancels its readahead GETs; blocks it has read to their end leave the memory tier (drop-behind).
+cancels its readahead GETs; blocks it has read all of leave the memory tier (drop-behind).
 """
 
 import logging
@@ -344,7 +344,7 @@ class Tiers:
             stream.ahead.pop(index).cancel()
             self.metrics.readahead_cancelled.inc()
 
-    def _readahead(self, f: FileVersion, start: int, window: int, stream: Stream | None = None) -> None:
+    def _readahead(self, f: FileVersion, start: int, window: int, stream: Stream) -> None:
         """Start background fetches for the blocks in [start, start+window); drop when busy."""
         if self._nursery is None or start >= f.size:
             return
@@ -359,9 +359,7 @@ class Tiers:
                 self.metrics.dropped_fills.labels("readahead", "queue_full").inc()
                 return
             self._readaheads += 1
-            scope = trio.CancelScope()          # cancelled by its reader moving away or closing
-            if stream is not None:
-                stream.ahead[index] = scope
+            scope = stream.ahead[index] = trio.CancelScope()     # cancelled by its reader moving away or closing
             self._nursery.start_soon(self._readahead_block, f, key, scope, stream)
 
     def readahead_file(self, f: FileVersion) -> None:
@@ -396,8 +394,7 @@ class Tiers:
             log.exception("fetching %s at its lookup failed", f.path)
             raise
 
-    async def _readahead_block(self, f: FileVersion, key: BlockKey, scope: trio.CancelScope,
-                               stream: Stream | None) -> None:
+    async def _readahead_block(self, f: FileVersion, key: BlockKey, scope: trio.CancelScope, stream: Stream) -> None:
         with scope:
             try:
                 if self.disk is not None and self.disk.contains(key):
@@ -409,7 +406,7 @@ class Tiers:
                 log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
             finally:
                 self._readaheads -= 1
-                if stream is not None and stream.ahead.get(key.index) is scope:
+                if stream.ahead.get(key.index) is scope:
                     del stream.ahead[key.index]
 
     # ---- warm, check, evict (cachefs/warm/engine.py) ---------------------------------------
