@@ -276,6 +276,35 @@ def read_acks(ack_path: Path) -> tuple[dict[str, PathState], dict]:
     return states, tally
 
 
+def evidence(path: str, ack_path: Path, daemon_log: Path, data: bytes | None, lines: int = 12) -> str:
+    """For a failed check of ``path``: the object's size and complete records, the writer's last
+    events for it and the daemon's last log lines naming it (the test's tmp dir is gone later)."""
+    if data is None:
+        held = "no object"
+    else:
+        ends, pos = [], 0
+        while pos + _REC_HEAD.size <= len(data):
+            length, crc = _REC_HEAD.unpack_from(data, pos)
+            payload = data[pos + _REC_HEAD.size: pos + _REC_HEAD.size + length]
+            if len(payload) != length or zlib.crc32(payload) != crc:
+                break
+            pos += _REC_HEAD.size + length
+            ends.append(pos)
+        held = f"object {len(data)} bytes, complete records up to {pos} (ends {ends[-4:]})"
+    needle = json.dumps(path)
+    events = [line for line in _lines(ack_path) if needle in line][-lines:]
+    logged = [line for line in _lines(daemon_log) if path in line][-lines:]
+    return "\n".join([f"evidence for {path}: {held}", "writer's last events:", *events,
+                      "daemon's last lines naming it:", *logged])
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
 def check_bucket(objects: dict[str, bytes], states: dict[str, PathState], sizes: dict[str, int]) -> list[str]:
     """Problems: acknowledged content missing, unknown objects, incomplete content."""
     problems = []
@@ -394,6 +423,7 @@ class Campaign:
         self.ack_path = self.workdir / "acks.jsonl"
         self.mnt.mkdir(parents=True, exist_ok=True)
         self.pid: int | None = None
+        self.evidence_given = False      # the first failed check also reports what led to it
 
     def kind(self) -> str:
         """The kind of the next trial (a mount is made for the trial that follows it)."""
@@ -471,8 +501,13 @@ class Campaign:
         states, tally = read_acks(self.ack_path)
         self.stats.update(tally)
         objects = bucket_objects(self.client, self.bucket)
-        for problem in check_bucket(objects, states, self.sizes(states)):
+        found = check_bucket(objects, states, self.sizes(states))
+        for problem in found:
             self.problems.append(f"trial {self.stats['trials']}: {problem}")
+        if found and not self.evidence_given:      # what the next reader needs, before the tmp dir goes
+            self.evidence_given = True
+            for path in sorted({problem.split(":", 1)[0] for problem in found})[:2]:
+                self.problems.append(evidence(path, self.ack_path, self.workdir / "cachefs.log", objects.get(path)))
         for problem in compare_view(self.mnt, objects):
             self.problems.append(f"trial {self.stats['trials']}: mount and bucket differ after sync: {problem}")
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from mounts import cachefs
 
-from benchmarks.crash_campaign import check_bucket, content_problem, log_record, read_acks, run
+from benchmarks.crash_campaign import check_bucket, content_problem, evidence, log_record, read_acks, run
 from benchmarks.crash_campaign import checkpoint_bytes as ckpt
 from testing.s3 import s3_client
 
@@ -111,3 +111,20 @@ def test_checker_reports_lost_acknowledged_content(tmp_path):
     assert check_bucket({"logs/x.log": b}, states, {}) == []           # the one in flight
     assert check_bucket({}, states, {"logs/x.log": 5}) != []           # lost
     assert check_bucket({"logs/y.log": a}, states, {}) != []           # never written
+
+
+def test_a_failed_check_reports_the_evidence_for_its_path(tmp_path):
+    """What the next reader of a rare failure needs before the tmp dir goes: where the object's
+    complete records end, the writer's last events and the daemon's lines for that path."""
+    import json
+    good = log_record(b"one") + log_record(b"two")
+    torn = good + log_record(b"three")[:-2] + b"??"
+    acks = tmp_path / "acks.jsonl"
+    acks.write_text("\n".join(json.dumps({"t": t, "path": p, "digest": "d"})
+                              for t, p in [("intent", "logs/a.log"), ("ack", "logs/b.log"), ("ack", "logs/a.log")]))
+    (tmp_path / "cachefs.log").write_text("uploaded logs/a.log (22 bytes)\nuploaded logs/b.log\n")
+    text = evidence("logs/a.log", acks, tmp_path / "cachefs.log", torn)
+    assert f"object {len(torn)} bytes, complete records up to {len(good)}" in text
+    assert text.count('"path": "logs/a.log"') == 2 and "logs/b.log" not in text
+    assert "uploaded logs/a.log (22 bytes)" in text
+    assert "no object" in evidence("logs/c.log", acks, tmp_path / "missing.log", None)
