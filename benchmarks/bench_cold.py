@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import xxhash  # noqa: E402
 
-from benchmarks import dataset  # noqa: E402
-from benchmarks.cachefs_mount import CachefsMount, cachefs_available, drop_page_cache, vm_hwm  # noqa: E402
+from benchmarks import dataset, readers  # noqa: E402
+from benchmarks.cachefs_mount import CachefsMount, cannot_run, drop_page_cache, vm_hwm  # noqa: E402
 from benchmarks.cpu_meter import CpuMeter  # noqa: E402
 from benchmarks.s3_servers import ProxyProcess, start_server  # noqa: E402
 
@@ -141,25 +141,13 @@ def pieces_digest(pieces: list[bytes]) -> str:
 
 def local_digest(path: Path, ranges: list[tuple[int, int]] | None) -> str:
     """xxh3 of the local file (``ranges``: of those byte ranges, in that order)."""
-    hasher = xxhash.xxh3_64()
-    with open(path, "rb", buffering=0) as fh:
-        if ranges is None:
-            while data := fh.read(8 * MiB):
-                hasher.update(data)
-        else:
-            for start, end in ranges:
-                hasher.update(os.pread(fh.fileno(), end - start, start))
-    return hasher.hexdigest()
+    return (file_sequential(path) if ranges is None else file_ranges(path, ranges))[1]
 
 
 def file_sequential(path: Path) -> tuple[int, str]:
-    hasher, buf, total = xxhash.xxh3_64(), bytearray(MiB), 0
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(view):
-            hasher.update(view[:n])
-            total += n
-    return total, hasher.hexdigest()
+    """One reader, 1 MiB reads from start to end: (bytes, xxh3)."""
+    hasher = xxhash.xxh3_64()
+    return readers.read_file(str(path), memoryview(bytearray(MiB)), hasher), hasher.hexdigest()
 
 
 def file_ranges(path: Path, ranges: list[tuple[int, int]]) -> tuple[int, str]:
@@ -178,12 +166,8 @@ def file_ranges(path: Path, ranges: list[tuple[int, int]]) -> tuple[int, str]:
 
 
 def s3_sequential(client) -> tuple[int, str]:
-    body = client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{NAME}")["Body"]
-    hasher, total = xxhash.xxh3_64(), 0
-    while data := body.read(MiB):
-        hasher.update(data)
-        total += len(data)
-    return total, hasher.hexdigest()
+    hasher = xxhash.xxh3_64()
+    return readers.get_object(client, BUCKET, f"{PREFIX}/{NAME}", hasher), hasher.hexdigest()
 
 
 def s3_range(client, start: int, end: int) -> bytes:
@@ -200,14 +184,9 @@ def s3_parallel(client, size: int) -> tuple[int, str]:
 def s3_download_file(client, target: Path) -> tuple[int, str]:
     client.download_file(BUCKET, f"{PREFIX}/{NAME}", str(target))
     try:
-        with open(target, "rb", buffering=0) as fh:     # the "load" that follows reads the copy
-            hasher, total = xxhash.xxh3_64(), 0
-            while data := fh.read(MiB):
-                hasher.update(data)
-                total += len(data)
+        return file_sequential(target)       # the "load" that follows reads the copy
     finally:
         target.unlink()
-    return total, hasher.hexdigest()
 
 
 def s3_ranges(client, ranges: list[tuple[int, int]]) -> tuple[int, str]:
@@ -405,11 +384,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench_cold: needs root (drop_caches and FUSE mounts)", file=sys.stderr)
-        return 2
-    if why := cachefs_available():
-        print(f"bench_cold: the cachefs CLI does not work ({why})", file=sys.stderr)
+    if why := cannot_run("bench_cold"):
+        print(why, file=sys.stderr)
         return 2
     args.workdir.mkdir(parents=True, exist_ok=True)
     return run(args)

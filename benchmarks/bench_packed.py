@@ -26,7 +26,7 @@ from pathlib import Path
 
 from benchmarks import dataset, packed_rows, readers
 from benchmarks.bench_read import resolve_server, settle, use_local_credentials
-from benchmarks.cachefs_mount import CachefsMount, cachefs_available, drop_page_cache, remove_tree
+from benchmarks.cachefs_mount import CachefsMount, cannot_run, drop_page_cache, remove_tree
 from benchmarks.cpu_meter import CPU_GROUPS, CpuMeter, cpu_text
 from benchmarks.readers import Result, Tally
 from benchmarks.s3_servers import ProxyProcess, start_server
@@ -484,11 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"setting up {peer} in {packed_rows.VENVS / peer}", flush=True)
             packed_rows.setup_peer(peer)
         return 0
-    if os.geteuid() != 0:
-        print("bench_packed: needs root (drop_caches and FUSE mounts)", file=sys.stderr)
-        return 2
-    if why := cachefs_available():
-        print(f"bench_packed: the cachefs CLI does not work ({why})", file=sys.stderr)
+    if why := cannot_run("bench_packed"):
+        print(why, file=sys.stderr)
         return 2
     args.workdir.mkdir(parents=True, exist_ok=True)
     try:

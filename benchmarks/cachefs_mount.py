@@ -36,6 +36,16 @@ def cachefs_available() -> str | None:
     return None if result.returncode == 0 else (result.stderr.strip()[-500:] or "failed")
 
 
+def cannot_run(bench: str) -> str | None:
+    """Why benchmark ``bench`` cannot run its cachefs rows here (None: it can): it needs root
+    (drop_caches, FUSE mounts) and a working ``cachefs`` CLI."""
+    if os.geteuid() != 0:
+        return f"{bench}: needs root (drop_caches and FUSE mounts)"
+    if why := cachefs_available():
+        return f"{bench}: the cachefs CLI does not work ({why})"
+    return None
+
+
 def drop_page_cache() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as fh:
