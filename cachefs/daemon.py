@@ -355,9 +355,11 @@ async def _tune_then_ready(daemon: Daemon, on_ready: Callable[[], None]) -> None
     descriptors, and report ready. A successor has nothing to tune or give."""
     cfg, link = daemon.cfg, daemon.link
     if link is not None and link.takeover:
+        _passthrough_settled(daemon)
         on_ready()
         return
     await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
+    _passthrough_settled(daemon)
     await trio.to_thread.run_sync(tune_kernel, cfg.mountpoint, cfg.fuse_read_ahead_kb, cfg.fuse_max_background)
     if link is not None:
         entry = find_mount(cfg.mountpoint)
@@ -366,6 +368,13 @@ async def _tune_then_ready(daemon: Daemon, on_ready: Callable[[], None]) -> None
             link.mounted(session.descriptors(), dict(session.negotiated.export(), inflight=session.inflight is not None),
                          entry[0])
     on_ready()
+
+
+def _passthrough_settled(daemon: Daemon) -> None:
+    """INIT settled whether the kernel takes cache files: without FUSE passthrough, the tiers
+    write no exact files (nor large objects whole) for nothing."""
+    if daemon.tiers.handover.enabled and not daemon.fuse.kernel.passthrough:
+        daemon.tiers.passthrough_off()
 
 
 async def _keeper_messages(daemon: Daemon) -> None:

@@ -229,6 +229,8 @@ class Operations:
             self.vfs.blocks.release_exact(exact)
             self.metrics.passthrough_fallbacks.labels(
                 "no_cap_sys_admin" if exc.errno == errno.EPERM else "backing_open").inc()
+            if not self.kernel.passthrough:          # refused for good (the session turned it off)
+                self.vfs.blocks.passthrough_off()
             return 0
         finally:
             os.close(exact.fd)            # the kernel holds the file from here on

@@ -86,6 +86,10 @@ class Metrics:
         self.passthrough_fallbacks = Counter("cachefs_passthrough_fallbacks", "Opens (or whole mounts: kernel, "
                                              "mutable, off, no_cap_sys_admin, no_xattr) served without passthrough, "
                                              "by reason", ["reason"], registry=r)
+        # result in {assembled, failed}
+        self.whole_files = Counter("cachefs_whole_files", "Large objects written as one exact cache file from "
+                                   "their cached blocks (so passthrough can hand them to the kernel), by result",
+                                   ["result"], registry=r)
         # result in {ok, corrupt}
         self.scrub_files = Counter("cachefs_scrub_files", "Exact cache files verified before their first "
                                    "hand-over or by the background scrub, by result", ["result"], registry=r)

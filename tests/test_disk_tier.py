@@ -983,3 +983,91 @@ def test_the_tier_writes_with_o_direct_by_default(tmp_path, monkeypatch):
         serve(tier, body)
         assert (True in seen) is direct_io
         assert tier.stats()["writes"] == ("O_DIRECT" if direct_io else "buffered")
+
+
+# ---- whole-object files (FUSE passthrough of a large object) --------------------------------
+
+def large_keys(n: int) -> list[BlockKey]:
+    return [BlockKey("s3://bucket", "ckpt/model.bin", "v1", BS, i) for i in range(n)]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_cached_object_is_assembled_into_one_exact_file_verified(tmp_path, direct):
+    keys, tail = large_keys(5), 1234
+    parts = [blob(100 + i) for i in range(4)] + [blob(104, tail)]
+    whole = BlockKey("s3://bucket", "ckpt/model.bin", "v1", BS, -1)
+    t = make_tier(tmp_path, exact_files=True, direct_io=direct)
+
+    async def body():
+        for k, data in zip(keys, parts, strict=True):
+            assert await t.fill(k, data)
+        assert await t.assemble(whole, keys, 4 * BS + tail)
+        assert not await t.assemble(whole, keys, 4 * BS + tail)      # there already
+    serve(t, body)
+    path = block_file(tmp_path, whole)
+    assert path.read_bytes() == b"".join(parts)
+    header = block_format.exact_header(os.open(path, os.O_RDONLY))
+    assert (header.data_len, header.chunk_size, header.length) == (4 * BS + tail, BS, 0)
+    header.verify(0, memoryview(path.read_bytes()))                 # the chunk digests are of the whole
+    assert t.stats()["used_bytes"] == t.file_size(4 * BS + tail)    # the blocks went: its bytes once
+    assert not any(t.contains(k) or block_file(tmp_path, k).exists() for k in keys)
+    assert metric(t, "cachefs_whole_files_total", result="assembled") == 1
+
+
+def test_held_blocks_stay_beside_the_whole_file_and_go_first(tmp_path):
+    keys = large_keys(3)
+    whole = BlockKey("s3://bucket", "ckpt/model.bin", "v1", BS, -1)
+    t = make_tier(tmp_path, exact_files=True)
+
+    async def body():
+        for i, k in enumerate(keys):
+            assert await t.fill(k, blob(300 + i))
+        t.pin("ds", {keys[1].digest()})
+        assert await t.assemble(whole, keys, 3 * BS)
+    serve(t, body)
+    assert [t.contains(k) for k in keys] == [False, True, False]       # the pinned one stays
+    assert t.stats()["used_bytes"] == FILE + t.file_size(3 * BS)
+    t.unpin("ds")
+    assert t._index.victim() == keys[1].digest()                      # and is the first to go
+
+
+def test_a_corrupt_or_missing_block_means_no_whole_file(tmp_path):
+    keys = large_keys(3)
+    whole = BlockKey("s3://bucket", "ckpt/model.bin", "v1", BS, -1)
+    t = make_tier(tmp_path, exact_files=True)
+
+    async def body():
+        for i, k in enumerate(keys[:2]):
+            assert await t.fill(k, blob(200 + i))
+        assert not await t.assemble(whole, keys, 3 * BS)             # block 2 not cached: nothing to do
+        assert await t.fill(keys[2], blob(202))
+        data = bytearray(block_file(tmp_path, keys[1]).read_bytes())
+        data[-1] ^= 1
+        block_file(tmp_path, keys[1]).write_bytes(bytes(data))
+        assert not await t.assemble(whole, keys, 3 * BS)
+    serve(t, body)
+    assert not block_file(tmp_path, whole).exists()
+    assert not list((tmp_path / "tmp").iterdir())                    # no temp file left behind
+    assert metric(t, "cachefs_whole_files_total", result="failed") == 1
+
+
+def test_whole_files_of_huge_objects_keep_their_header_small():
+    assert block_format.whole_chunk_size(1 << 30, 4 << 20) == 4 << 20                  # 256 chunks
+    assert block_format.whole_chunk_size(10 << 30, 4 << 20) == 32 << 20               # 320 chunks
+    for size in (1, 5 << 30, 100 << 30, 800 << 30):
+        chunk = block_format.whole_chunk_size(size, 4 << 20)
+        header = BlockHeader.encode_digests(size, chunk, [0] * -(-size // chunk))
+        assert len(header) <= 3616 and chunk % (4 << 20) == 0
+    assert block_format.whole_chunk_size(1 << 40, 4 << 20) is None                    # > 896 GiB: no whole file
+
+
+def test_demote_makes_an_entry_the_next_victim():
+    from cachefs.tiers.disk.index import Entry, SegmentedLRU
+    lru = SegmentedLRU(1 << 30)
+    for d in "abcd":
+        lru.add(d, Entry(10, 10))
+    lru.touch("c")                                                  # protected
+    lru.demote("c")
+    assert lru.victim() == "c" and lru.protected_bytes == 0
+    lru.demote("d")
+    assert lru.victim() == "d"

@@ -5,11 +5,12 @@ bytes); mounts where it cannot apply say why; a handed-over file stays readable 
 
 import os
 import random
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from mounts import put_tree
+from mounts import cachefs, put_tree
 
 from cachefs.tiers.disk import format as fmt
 from testing.s3 import free_port, s3_client
@@ -142,3 +143,100 @@ def test_a_handed_over_file_stays_readable_while_others_evict_around_it(dataset,
         status = mnt.status()["tiers"]["disk"]
         assert status["used_bytes"] <= 1 << 20, status
     assert (mnt / "c0/f000.jpg").read_bytes() == FILES["c0/f000.jpg"]
+
+
+LARGE = random.Random(7).randbytes(5 * (1 << 20) + 12345)      # six 1 MiB blocks, the last short
+
+
+def whole_files(cache_dir: Path) -> list[Path]:
+    return [p for p in exact_files(cache_dir) if p.stat().st_size == len(LARGE)]
+
+
+def wait_assembled(port: int, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while metrics(port).get('cachefs_whole_files_total{result="assembled"}', 0) < count:
+        assert time.monotonic() < deadline, "the large object was never written whole"
+        time.sleep(0.05)
+
+
+@pytest.mark.allow_warnings          # the corrupted whole-object file is logged as dropped
+def test_a_large_object_is_written_whole_and_read_by_the_kernel_verified(s3_server, bucket, mount_factory):
+    """Once every block of a large object is cached, an open writes it as one exact file in the
+    background; from then on opens hand that file to the kernel (no READ reaches the daemon), only
+    after it was verified in this daemon's life; a corrupted one is dropped, never handed over."""
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "big", {"ckpt/model.safetensors": LARGE})
+    port = free_port()
+    mnt = mount(mount_factory, f"s3://{bucket}/big", ("--endpoint-url", s3_server.endpoint_url), port,
+                "--immutable", "--block-size", "1M")
+    assert (mnt / "ckpt/model.safetensors").read_bytes() == LARGE        # cold: six blocks cached
+    assert (mnt / "ckpt/model.safetensors").read_bytes() == LARGE        # all cached: written whole
+    wait_assembled(port, 1)
+    with open(mnt / "ckpt/model.safetensors", "rb") as f:               # this daemon checked it as it wrote it
+        assert f.read() == LARGE
+        assert metrics(port)["cachefs_passthrough_opens_total"] == 1
+    mnt.umount()
+    [whole] = whole_files(mnt.cache_dir)
+    assert whole.read_bytes() == LARGE and fmt.exact_header(os.open(whole, os.O_RDONLY)).data_len == len(LARGE)
+
+    mnt.start()
+    before = metrics(port)
+    with open(mnt / "ckpt/model.safetensors", "rb") as f:
+        f.seek(3 << 20)
+        assert f.read(1 << 20) == LARGE[3 << 20:4 << 20]
+        f.seek(0)
+        assert f.read() == LARGE
+    after = metrics(port)
+    assert after["cachefs_passthrough_opens_total"] == 1
+    assert reads(after) == reads(before)                                 # the kernel read it all itself
+    assert after['cachefs_scrub_files_total{result="ok"}'] >= 1          # verified before the hand-over
+    mnt.umount()
+
+    data = bytearray(whole.read_bytes())                                 # one flipped byte in the last chunk
+    data[-100] ^= 0xFF
+    header = os.getxattr(whole, fmt.XATTR)
+    whole.write_bytes(bytes(data))
+    os.setxattr(whole, fmt.XATTR, header)
+    mnt.start()
+    assert (mnt / "ckpt/model.safetensors").read_bytes() == LARGE        # 0 wrong bytes: fetched again
+    m = metrics(port)
+    assert m.get("cachefs_passthrough_opens_total", 0) == 0
+    assert m['cachefs_scrub_files_total{result="corrupt"}'] == 1
+    wait_assembled(port, 1)                                              # written again from the blocks
+    assert whole.read_bytes() == LARGE
+    with open(mnt / "ckpt/model.safetensors", "rb") as f:
+        assert f.read() == LARGE
+    assert metrics(port)["cachefs_passthrough_opens_total"] == 1
+
+
+def test_a_whole_file_replaces_its_blocks_and_serves_reads_through_the_daemon(s3_server, bucket, mount_factory):
+    """Written whole, a large object's blocks leave the disk tier (it takes its bytes once); a
+    mount that reads through the daemon (passthrough off) reads its blocks from the whole file,
+    with no GET; `cachefs warmup` finds it cached; evicting it drops the whole file."""
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "big", {"ckpt/model.safetensors": LARGE})
+    port = free_port()
+    mnt = mount(mount_factory, f"s3://{bucket}/big", ("--endpoint-url", s3_server.endpoint_url), port,
+                "--immutable", "--block-size", "1M")
+    assert (mnt / "ckpt/model.safetensors").read_bytes() == LARGE
+    wait_assembled(port, 1)                                              # the end of the read asked for it
+    status = mnt.status()["tiers"]["disk"]
+    assert status["blocks"] == 1 and status["used_bytes"] < len(LARGE) + (64 << 10), status
+    mnt.umount()
+
+    mnt.args = [*mnt.args, "--passthrough", "off"]
+    mnt.start()
+    gets = mnt.requests("get")
+    with open(mnt / "ckpt/model.safetensors", "rb") as f:
+        f.seek(2 << 20)
+        assert f.read(300_000) == LARGE[2 << 20:(2 << 20) + 300_000]
+        f.seek(0)
+        assert f.read() == LARGE
+    assert mnt.requests("get") == gets                                   # every block from the whole file
+    m = metrics(port)
+    assert m.get("cachefs_passthrough_opens_total", 0) == 0 and reads(m) > 0
+    result = cachefs("warmup", "--json", str(mnt / "ckpt"))
+    assert result.returncode == 0, result.stderr
+    assert '"fetched_files": 0' in result.stdout and mnt.requests("get") == gets
+    result = cachefs("warmup", "--evict", str(mnt / "ckpt/model.safetensors"))
+    assert result.returncode == 0, result.stderr
+    assert not whole_files(mnt.cache_dir) and mnt.status()["tiers"]["disk"]["blocks"] == 0
+    assert (mnt / "ckpt/model.safetensors").read_bytes() == LARGE

@@ -13,6 +13,10 @@ check              which blocks of a file each tier holds
 evict              drop a file's blocks from every tier
 hold, release      keep a running warm job's blocks from eviction
 pin, unpin         keep a named dataset's blocks across restarts; ``pinned`` lists them
+exact_file(_now)   the verified cache file an open hands to the kernel (FUSE passthrough): a
+                   small object's one block, or a large object's whole-object file, written
+                   from its cached blocks at an open, at the close of a read to its end or
+                   at the end of a warm (``write_whole_soon``); it then holds their bytes
 room, stats        what a warm may fill; per-tier numbers for ``cachefs status``
 =================  ===========================================================================
 
@@ -41,8 +45,9 @@ from cachefs.store import ObjectStore
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.handover import ExactFile, HandOver
 from cachefs.tiers.hedge import Hedger, cancellable_gets
-from cachefs.tiers.key import BlockKey
+from cachefs.tiers.key import WHOLE, BlockKey
 from cachefs.tiers.memory import MemoryTier
+from cachefs.tiers.whole import WholeFiles
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,7 @@ class Stream:
     reader has read all of leaves the memory tier (the kernel page cache and the disk tier hold
     it); off for a stream that several readers share (a packed shard's)."""
 
-    __slots__ = ("next_offset", "window", "drop_behind", "ahead", "consumed")
+    __slots__ = ("next_offset", "window", "drop_behind", "ahead", "consumed", "read_to_end")
 
     def __init__(self, *, drop_behind: bool = True) -> None:
         self.next_offset = 0
@@ -82,6 +87,7 @@ class Stream:
         self.drop_behind = drop_behind
         self.ahead: dict[int, trio.CancelScope] = {}     # block index -> its readahead GET under way
         self.consumed: dict[int, int] = {}               # block index -> bytes of it read (drop_behind)
+        self.read_to_end: FileVersion | None = None      # a large file this reader read the end of
 
     def advance(self, offset: int, end: int, block_size: int, max_window: int) -> int:
         """Record a read of [offset, end); return the readahead window in bytes (0: none)."""
@@ -119,6 +125,7 @@ class Tiers:
         self._hedger = hedger if hedger is not None and hedger.policy.enabled and cancellable_gets(store) else None
         self._no_limit = trio.CapacityLimiter(math.inf)
         self.handover = HandOver(disk, metrics)     # exact cache files handed to the kernel (passthrough)
+        self.whole = WholeFiles(disk, memory)       # large objects in one file, for passthrough (whole.py)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the disk tier and the hedge clock, and own the nursery in which readahead runs,
@@ -203,6 +210,8 @@ class Tiers:
                 self._readahead(f, end, window, stream)
             if stream.drop_behind:
                 self._drop_behind(f, offset, end, stream)
+            if end == f.size and f.size >= self.block_size:
+                stream.read_to_end = f          # at close, maybe all cached: write it whole (stop)
         self.metrics.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -228,23 +237,52 @@ class Tiers:
 
     # ---- handing cache files to the kernel (FUSE passthrough: handover.py) ----------------------
     def exact_file_now(self, f: FileVersion) -> ExactFile | None:
-        """The verified exact cache file of ``f`` (all of it in one block), held until
-        ``release_exact``; None if there is none; NeedsWait if verifying it needs a disk read."""
-        if not self._exact_candidate(f):
+        """The verified exact cache file of ``f`` (a small object's one block, or a large object's
+        whole-object file), held until ``release_exact``; None if there is none (a large object
+        whose blocks are all cached is then written as one, in the background); NeedsWait if
+        verifying it needs a disk read."""
+        key = self._exact_key(f)
+        if key is None:
             return None
-        return self.handover.now(self.key(f, 0), f.size)
+        exact = self.handover.now(key, f.size)
+        if exact is None and key.index == WHOLE:
+            self._assemble_soon(f, key)
+        return exact
 
     async def exact_file(self, f: FileVersion) -> ExactFile | None:
         """``exact_file_now``, verifying in a worker thread when needed."""
-        if not self._exact_candidate(f):
+        key = self._exact_key(f)
+        if key is None:
             return None
-        return await self.handover.get(self.key(f, 0), f.size)
+        exact = await self.handover.get(key, f.size)
+        if exact is None and key.index == WHOLE:
+            self._assemble_soon(f, key)
+        return exact
 
     def release_exact(self, exact: ExactFile) -> None:
         self.handover.release(exact)
 
-    def _exact_candidate(self, f: FileVersion) -> bool:
-        return self.handover.enabled and 0 < f.size < self.block_size
+    def passthrough_off(self) -> None:
+        """The kernel takes no cache files (INIT without FUSE passthrough, or a hand-over refused
+        for good): no more exact files, and no large object written whole for nothing."""
+        if self.disk is not None:
+            self.disk.no_exact_files()
+
+    def write_whole_soon(self, f: FileVersion) -> None:
+        """``f`` may be all in the disk tier (a warm of it ended, a reader that read its end
+        closed it): a large object is then written as one whole-object file in the background,
+        so the next open hands it to the kernel."""
+        if self.handover.enabled and f.size >= self.block_size:
+            self._assemble_soon(f, self.key(f, WHOLE))
+
+    def _exact_key(self, f: FileVersion) -> BlockKey | None:
+        if not self.handover.enabled or f.size <= 0:
+            return None
+        return self.key(f, 0) if f.size < self.block_size else self.key(f, WHOLE)
+
+    def _assemble_soon(self, f: FileVersion, whole: BlockKey) -> None:
+        if self._nursery is not None:
+            self.whole.soon(self._nursery, whole, f.size)
 
     def preload_needed(self, f: FileVersion) -> bool:
         """Whether an open of ``f`` would push it into the page cache (``preload``): a small
@@ -290,6 +328,8 @@ class Tiers:
             if got is not None and len(got) == hi - lo:
                 return got
             data = self.disk.filling_data(key)     # fetched (e.g. by a warm) and being written
+            if data is None and (whole := self.whole.of(key)) is not None:
+                data = await self.whole.read_block(key, self.block_len(f, index), whole)
             if data is not None and len(data) == self.block_len(f, index):
                 return data if (lo, hi) == (0, len(data)) else data[lo:hi]
         whole = (lo, hi) == (0, min(self.block_size, f.size - key.offset))
@@ -327,6 +367,8 @@ class Tiers:
         """The reader of ``stream`` closed its file: cancel the readahead GETs it started (a
         reader waiting on one of them starts its own GET instead)."""
         self._cancel_ahead(stream, None)
+        if stream.read_to_end is not None:
+            self.write_whole_soon(stream.read_to_end)
 
     def _cancel_ahead(self, stream: Stream, offset: int | None) -> None:
         """Cancel ``stream``'s readahead GETs of blocks more than a full window away from a reader
@@ -400,6 +442,10 @@ class Tiers:
                 if self.disk is not None and self.disk.contains(key):
                     await self.disk.readahead(key)     # the kernel reads the cache file ahead
                     return
+                whole = self.whole.of(key)
+                if whole is not None:                  # the block is in a whole-object file
+                    await self.whole.read_block(key, self.block_len(f, key.index), whole)
+                    return
                 await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter, ahead=True))
                 self.metrics.readahead_blocks.inc()
             except StoreError as exc:
@@ -416,16 +462,14 @@ class Tiers:
         return self._fetch_limiter.statistics().tasks_waiting > 0
 
     def is_cached(self, key: BlockKey) -> bool:
-        return (self.memory.contains(key)
-                or (self.disk is not None and self.disk.contains(key))
-                or self._flights.in_flight(key))
+        return self.memory.contains(key) or self.whole.has(key) or self._flights.in_flight(key)
 
     def check(self, f: FileVersion) -> list[BlockState]:
         """Where each block of ``f`` is cached (no fetching)."""
         out = []
         for key in self.keys(f):
             length = self.block_len(f, key.index)
-            on_disk = self.disk is not None and self.disk.contains(key)
+            on_disk = self.whole.has(key)
             cost = self.disk.file_size(length) if self.disk is not None else length
             out.append(BlockState(key.index, length, self.memory.contains(key), on_disk, cost))
         return out
@@ -444,7 +488,7 @@ class Tiers:
         key = self.key(f, index)
         if self.disk is None:
             return 0, False
-        if self.disk.contains(key):
+        if self.whole.has(key):
             return 0, True
         if await self.disk.wait_fill(key):        # a reader's fill of it was queued: no second GET
             return 0, True
@@ -469,6 +513,8 @@ class Tiers:
             self.memory.discard(key)
             if self.disk is not None:
                 self.disk.discard(key)
+        if self.disk is not None:
+            self.disk.discard(self.key(f, WHOLE))     # a large object's whole-object file, if any
         return blocks, size
 
     # ---- holds and pins --------------------------------------------------------------------
@@ -476,7 +522,10 @@ class Tiers:
     def hold(self, f: FileVersion, held: set[str]) -> None:
         """Keep the blocks of ``f`` in the disk tier from eviction until ``release(held)``;
         ``held`` records them (a block already in it is not held twice)."""
-        for key in self.keys(f):
+        keys = list(self.keys(f))
+        if self.handover.enabled and f.size >= self.block_size:
+            keys.append(self.key(f, WHOLE))          # its whole-object file, there or to come
+        for key in keys:
             digest = key.digest()
             if digest not in held:
                 held.add(digest)

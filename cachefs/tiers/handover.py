@@ -16,6 +16,7 @@ no READ request to the daemon, once the daemon hands it over at OPEN. The promis
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import trio
@@ -25,9 +26,23 @@ from cachefs.metrics import Metrics
 from cachefs.sched import in_thread
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk import format as fmt
-from cachefs.tiers.key import BlockKey
+from cachefs.tiers.key import WHOLE, BlockKey
 
 log = logging.getLogger(__name__)
+
+SCRUB_AGE = 600.0           # seconds before the scrub verifies a file again
+_VERIFY_STEP = 8 << 20      # bytes checked per worker-thread call
+
+
+def _verify_range(fd: int, header: fmt.BlockHeader, first: int, buf: bytearray) -> None:
+    """Worker thread: check the chunks of the ``len(buf)`` bytes at ``first`` of an exact file
+    (``first`` on a chunk boundary), read into ``buf`` (reused: no allocation per step; read,
+    not mapped, so a file cut short under us is an error, never a SIGBUS)."""
+    with memoryview(buf) as view:
+        got = os.preadv(fd, [view], first)
+        if got != len(buf):
+            raise CorruptBlock(f"truncated: {first + got} of {header.data_len} bytes")
+        header.verify(first // header.chunk_size, view)
 
 
 @dataclass(slots=True)
@@ -44,7 +59,7 @@ class HandOver:
         self.disk = disk
         self.metrics = metrics
         self.scrub_bytes_s = scrub_bytes_s
-        self._verified: set[str] = set()
+        self._verified: dict[str, float] = {}     # digest -> when it was last verified (monotonic)
         self._held: dict[str, int] = {}           # digest -> hand-overs not yet released
         self._limiter = trio.CapacityLimiter(16)
 
@@ -69,14 +84,38 @@ class HandOver:
             return None
         digest = key.digest()
         if digest not in self._verified:
-            data = await self.disk.read_async(key, 0, size)
-            if data is None or len(data) != size:
-                self.metrics.scrub_files.labels("corrupt" if not self.disk.contains(key) else "ok").inc()
-                return None
-            self.metrics.scrub_files.labels("ok").inc()
-            self._verified.add(digest)
+            if key.index == WHOLE:
+                if not await self._verify_whole(key, size):
+                    return None
+            else:
+                data = await self.disk.read_async(key, 0, size)
+                if data is None or len(data) != size:
+                    self.metrics.scrub_files.labels("corrupt" if not self.disk.contains(key) else "ok").inc()
+                    return None
+                self.metrics.scrub_files.labels("ok").inc()
+            self._verified[digest] = time.monotonic()
         got = self._open(key, size)
         return self._hold(*got, key, size) if got is not None else None
+
+    async def _verify_whole(self, key: BlockKey, size: int) -> bool:
+        """A whole-object file, read and checked chunk by chunk in a worker thread (a large one is
+        never read into memory at once); a corrupt one is dropped and counted."""
+        got = self._open(key, size)
+        if got is None:
+            return False
+        fd, header = got
+        try:
+            began = time.monotonic()
+            await self._verify(fd, header)
+            log.debug("verified the whole-object file of %s (%d bytes) in %.3f s", key.path, size,
+                      time.monotonic() - began)
+            return True
+        except (CorruptBlock, OSError) as exc:
+            self.metrics.scrub_files.labels("corrupt").inc()
+            self.disk.drop_corrupt(key.digest(), exc if isinstance(exc, CorruptBlock) else CorruptBlock(str(exc)))
+            return False
+        finally:
+            os.close(fd)
 
     def release(self, exact: ExactFile) -> None:
         """The kernel no longer reads ``exact``: it may be evicted again."""
@@ -89,33 +128,33 @@ class HandOver:
             self.disk.release([digest])
 
     async def scrub(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Re-verify handed-over files forever, at most ``scrub_bytes_s`` bytes a second; a
-        corrupt one is counted and dropped from the disk tier (open files keep reading the bytes
-        they had; new opens fetch it again)."""
+        """Re-verify handed-over files forever, each at most once every SCRUB_AGE seconds, at most
+        ``scrub_bytes_s`` bytes a second (paced as it reads); a corrupt one is counted and dropped
+        from the disk tier (open files keep reading the bytes they had; new opens fetch it
+        again)."""
         task_status.started()
         while True:
             await trio.sleep(1.0)
-            budget = self.scrub_bytes_s
-            for digest in list(self._verified):
-                if budget <= 0:
-                    break
-                budget -= await self._scrub_one(digest)
+            for digest, when in list(self._verified.items()):
+                if digest in self._verified and when <= time.monotonic() - SCRUB_AGE:
+                    await self._scrub_one(digest)
 
     async def _scrub_one(self, digest: str) -> int:
         path = self.disk.layout.block_path(digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            self._verified.discard(digest)          # evicted meanwhile
+            self._verified.pop(digest, None)        # evicted meanwhile
             return 0
         try:
             header = fmt.exact_header(fd)
             if header is None:
                 return 0
-            await in_thread(self._verify, fd, header, os.pread, limiter=self._limiter)
+            await self._verify(fd, header, self.scrub_bytes_s)
+            self._verified[digest] = time.monotonic()
             return header.data_len
         except (CorruptBlock, OSError) as exc:
-            self._verified.discard(digest)
+            self._verified.pop(digest, None)
             self.metrics.scrub_files.labels("corrupt").inc()
             self.disk.drop_corrupt(digest, exc if isinstance(exc, CorruptBlock) else CorruptBlock(str(exc)))
             return 0
@@ -133,11 +172,23 @@ class HandOver:
             return None
         return got
 
-    def _verify(self, fd: int, header: fmt.BlockHeader, pread) -> None:
-        data = pread(fd, header.data_len, 0)
-        if len(data) != header.data_len:
-            raise CorruptBlock(f"truncated: {len(data)} of {header.data_len} bytes")
-        header.verify(0, memoryview(data))
+    async def _verify(self, fd: int, header: fmt.BlockHeader, rate: float | None = None) -> None:
+        """Check every chunk of an exact file, a step of a few MiB per worker-thread call. At once
+        (``rate`` None: a first hand-over waits for it), the kernel reading the whole file
+        ahead; or paced at ``rate`` bytes a second (the scrub)."""
+        size = os.fstat(fd).st_size
+        if size != header.data_len:
+            raise CorruptBlock(f"file has {size} bytes, header says {header.data_len}")
+        if rate is None:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        step = max(header.chunk_size, _VERIFY_STEP // header.chunk_size * header.chunk_size)
+        buf = bytearray(min(step, size))
+        for first in range(0, size, step):
+            if size - first < len(buf):
+                buf = bytearray(size - first)
+            await in_thread(_verify_range, fd, header, first, buf, limiter=self._limiter)
+            if rate:
+                await trio.sleep(len(buf) / rate)
         self.metrics.scrub_files.labels("ok").inc()
 
     def _hold(self, fd: int, header: fmt.BlockHeader, key: BlockKey, size: int) -> ExactFile:

@@ -8,6 +8,10 @@ shares a cache entry with an old one.
 import hashlib
 from dataclasses import dataclass
 
+#: the index of a whole-object file's key: all of a large object in one exact cache file
+#: (FUSE passthrough hands it to the kernel), beside or instead of its blocks
+WHOLE = -1
+
 
 @dataclass(frozen=True, slots=True)
 class BlockKey:

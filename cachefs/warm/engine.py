@@ -213,6 +213,8 @@ class Warmer:
             if job.pin and job.state == "done":
                 self.tiers.pin(job.name, job.held)
             self.tiers.release(job.held)
+            for version in job.warmed:              # large objects, whole for FUSE passthrough
+                self.tiers.write_whole_soon(version)
             job.finished = time.monotonic()
             self.jobs.pop(job.name, None)
             self.last = job
@@ -354,6 +356,8 @@ class Warmer:
 
     def _file_done(self, job: WarmJob, work: FileWork) -> None:
         job.done_files += 1
+        if work.version.size >= self.tiers.block_size:
+            job.warmed.append(work.version)
         if work.fetched or work.restarts:
             job.fetched_files += 1
             self._metrics.files.labels("fetched").inc()

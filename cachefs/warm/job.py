@@ -137,6 +137,7 @@ class WarmJob:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     done: trio.Event = field(default_factory=trio.Event)
     held: set[str] = field(default_factory=set)
+    warmed: list = field(default_factory=list)      # large file versions warmed whole (Tiers.write_whole_soon)
     limiter: trio.CapacityLimiter | None = None
 
     def __post_init__(self) -> None:

@@ -82,16 +82,21 @@ class BlockHeader:
     def encode(cls, data: bytes, chunk_size: int) -> bytes:
         view = memoryview(data)
         digests = [_xxh(view[i:i + chunk_size]) for i in range(0, len(data), chunk_size)]
-        body = cls._FIXED.pack(cls.MAGIC, cls.VERSION, 0, len(data), chunk_size, len(digests))
-        body += struct.pack(f"<{len(digests)}Q", *digests)
-        body += struct.pack("<Q", _xxh(body))
-        return body.ljust(cls.length_for(len(data), chunk_size), b"\0")
+        return cls.encode_digests(len(data), chunk_size, digests).ljust(
+            cls.length_for(len(data), chunk_size), b"\0")
 
     @classmethod
     def encode_exact(cls, data: bytes, chunk_size: int) -> bytes:
         """The header of an exact file (its extended attribute): ``encode`` without the padding."""
         header = cls.encode(data, chunk_size)
         return header[:cls._FIXED.size + 8 * -(-len(data) // chunk_size) + 8]
+
+    @classmethod
+    def encode_digests(cls, data_len: int, chunk_size: int, digests: list[int]) -> bytes:
+        """The header, unpadded, of ``data_len`` bytes whose chunks hash to ``digests``."""
+        body = cls._FIXED.pack(cls.MAGIC, cls.VERSION, 0, data_len, chunk_size, len(digests))
+        body += struct.pack(f"<{len(digests)}Q", *digests)
+        return body + struct.pack("<Q", _xxh(body))
 
     @classmethod
     def peek_length(cls, buf: bytes) -> int:
@@ -272,7 +277,8 @@ def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, ch
     errors = unlink_paths(doomed)
     header = b"" if exact else BlockHeader.encode(data, chunk_size)
     xattr = BlockHeader.encode_exact(data, chunk_size) if exact else None
-    try:
+
+    def write() -> None:
         if direct is None or not direct.write(tmp, header, data, fsync, xattr):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
@@ -282,14 +288,115 @@ def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, ch
                 _finish(fd, fsync, xattr)
             finally:
                 os.close(fd)
-        # No directory fsync: a rename lost in a crash is only a cache miss. The data is durable
-        # before the rename, so a block file that exists never holds unwritten bytes.
+    _publish(tmp, final, write)
+    return errors
+
+
+def _publish(tmp: Path, final: Path, write: Callable[[], None]) -> None:
+    """``write()`` makes ``tmp``, durable; one rename then publishes it as ``final``. On any
+    failure ``tmp`` is removed. No directory fsync: a rename lost in a crash is only a cache
+    miss, and a file that exists never holds unwritten bytes."""
+    try:
+        write()
         os.rename(tmp, final)
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+#: most chunk digests in a whole-object file's header: 32 + 8 x 448 bytes fit in one extended
+#: attribute on ext4 (a 4 KiB block; XFS and btrfs take more)
+WHOLE_MAX_CHUNKS = 448
+_CHUNK_SIZE_MAX = (1 << 32) - 1     # the header's chunk size field
+
+
+def whole_chunk_size(data_len: int, block_size: int) -> int | None:
+    """The chunk size of a whole-object exact file of ``data_len`` bytes: the block size, doubled
+    until the header fits in its extended attribute; None when the object is too large for one."""
+    chunk = block_size
+    while -(-data_len // chunk) > WHOLE_MAX_CHUNKS:
+        chunk *= 2
+    return chunk if chunk <= _CHUNK_SIZE_MAX else None
+
+
+def write_whole_file(doomed: list[Path], tmp: Path, final: Path, blocks: list[tuple[str, int]], chunk_size: int,
+                     fsync: bool, direct: DirectWrites | None = None) -> list[OSError]:
+    """Unlink the evicted files, then write the object whose block files are ``blocks`` (path,
+    data length; every block but the last is one ``chunk_size`` divisor long) as one exact file
+    ``final``: every block read verified, its bytes copied to their offset, chunk digests of the
+    whole computed on the way, the header in ``XATTR``, one rename. CorruptBlock names a block
+    file that failed its check (or vanished); NoXattrs as ``write_block_file``."""
+    errors = unlink_paths(doomed)
+    data_len = sum(length for _, length in blocks)
+
+    def write() -> None:
+        fd, buf = _open_whole(tmp, direct, max(length for _, length in blocks))
+        try:
+            digests = _copy_blocks(fd, buf, blocks, chunk_size)
+            os.ftruncate(fd, data_len)
+            _finish(fd, fsync, BlockHeader.encode_digests(data_len, chunk_size, digests))
+        finally:
+            os.close(fd)
+            if buf is not None:
+                direct._give(buf)
+    _publish(tmp, final, write)
     return errors
+
+
+def _open_whole(tmp: Path, direct: DirectWrites | None, block: int) -> tuple[int, mmap.mmap | None]:
+    """The new file, O_DIRECT with an aligned buffer of one block where the file system takes it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    if direct is not None and not (direct.refused and _device(tmp.parent) in direct.refused):
+        try:
+            return os.open(tmp, flags | os.O_DIRECT, 0o644), direct._take(round_up(block, HEADER_ALIGN))
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            direct._refuse(tmp.parent)
+    return os.open(tmp, flags, 0o644), None
+
+
+def _copy_blocks(fd: int, buf: mmap.mmap | None, blocks: list[tuple[str, int]], chunk_size: int) -> list[int]:
+    digests: list[int] = []
+    hasher, in_chunk, offset = xxhash.xxh3_64(), 0, 0
+    for path, length in blocks:
+        try:
+            bfd, _, data = open_and_read(path, 0, 0, length)
+            os.close(bfd)
+        except (OSError, CorruptBlock) as exc:
+            raise CorruptBlock(f"block file {path}: {exc}") from exc
+        if len(data) != length:
+            raise CorruptBlock(f"block file {path}: {len(data)} bytes, expected {length}")
+        hasher.update(data)
+        in_chunk += length
+        if in_chunk == chunk_size:
+            digests.append(hasher.intdigest())
+            hasher.reset()
+            in_chunk = 0
+        _write_at(fd, buf, data, offset)
+        offset += length
+    if in_chunk:
+        digests.append(hasher.intdigest())
+    return digests
+
+
+def _write_at(fd: int, buf: mmap.mmap | None, data: bytes, offset: int) -> None:
+    """pwrite all of ``data`` at ``offset``: through the aligned buffer (zero-padded to a 4 KiB
+    multiple; the caller truncates) when the file is O_DIRECT."""
+    if buf is None:
+        view = memoryview(data)
+        while view:
+            done = os.pwrite(fd, view, offset)
+            view, offset = view[done:], offset + done
+        return
+    padded = round_up(len(data), HEADER_ALIGN)
+    buf[:len(data)] = data
+    buf[len(data):padded] = bytes(padded - len(data))
+    with memoryview(buf) as view:
+        done = 0
+        while done < padded:
+            done += os.pwritev(fd, [view[done:padded]], offset + done)
 
 
 def _finish(fd: int, fsync: bool, xattr: bytes | None) -> None:

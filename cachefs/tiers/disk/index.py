@@ -66,6 +66,7 @@ class SegmentedLRU:
         self._protected: OrderedDict[str, Entry] = OrderedDict()
         self._held: dict[str, Entry] = {}
         self._holds: dict[str, int] = {}
+        self._demoted: set[str] = set()           # held entries demoted: to the cold end on release
 
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected) + len(self._held)
@@ -98,7 +99,20 @@ class SegmentedLRU:
             self.protected_bytes -= demoted.size
             self._probation[old] = demoted
 
+    def demote(self, digest: str) -> None:
+        """Move an entry to the cold end of probation: the next victim (a held one goes there
+        when its last hold is released)."""
+        entry = self._protected.pop(digest, None)
+        if entry is not None:
+            self.protected_bytes -= entry.size
+            self._probation[digest] = entry
+        if digest in self._probation:
+            self._probation.move_to_end(digest, last=False)
+        elif digest in self._held:
+            self._demoted.add(digest)             # on release
+
     def remove(self, digest: str) -> Entry | None:
+        self._demoted.discard(digest)
         entry = self._probation.pop(digest, None)
         if entry is None:
             entry = self._protected.pop(digest, None)
@@ -139,6 +153,9 @@ class SegmentedLRU:
         if entry is not None:
             self.held_bytes -= entry.size
             self._probation[digest] = entry
+            if digest in self._demoted:
+                self._demoted.discard(digest)
+                self._probation.move_to_end(digest, last=False)
 
     def is_held(self, digest: str) -> bool:
         return digest in self._holds

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +75,7 @@ class DiskTier:
         self._pending_bytes = 0                   # data held by queued or running fills
         self._inflight: dict[str, _FillJob] = {}
         self._unlinking: dict[str, trio.Event] = {}
+        self._assembling: dict[str, bool] = {}    # whole-object files being written -> discarded meanwhile
         # Reader fills are written by one thread while the queue is short, and by up to
         # fill_workers as it grows (_scale_writers).
         self._limiter = trio.CapacityLimiter(1)
@@ -133,8 +134,9 @@ class DiskTier:
         log.info("disk tier %s: %d blocks, %d bytes", self.root, len(self._index), self._index.bytes)
 
     async def wait_idle(self) -> None:
-        """Return once no fill is queued or running and no unlink is pending."""
-        while self._inflight or self._unlinking:
+        """Return once no fill is queued or running, no whole-object file is being written and no
+        unlink is pending."""
+        while self._inflight or self._unlinking or self._assembling:
             await trio.sleep(0.005)
 
     # -- reads (the policy lives in reader.py) --
@@ -257,6 +259,8 @@ class DiskTier:
         job = self._inflight.get(digest)
         if job is not None:
             job.cancelled = True
+        if digest in self._assembling:
+            self._assembling[digest] = True       # dropped once written
         self._drop(digest)
 
     def _already_there(self, digest: str) -> bool:
@@ -312,39 +316,108 @@ class DiskTier:
             await unlinking.wait()
         if job.cancelled:
             return False
-        room = self._room_for(len(job.data))
+        write = functools.partial(self._write_file, exact=True) if job.exact and self.exact_files else self._write_file
+        room = await self._write_new(
+            job.digest, len(job.data), lambda doomed, tmp, final: write(
+                doomed, tmp, final, job.data, self._chunk_size, self._fsync),
+            self._warm_limiter if job.low else self._limiter)
         if room is None:
             return False
+        if job.cancelled:
+            self._schedule_unlink(job.digest, room.size)
+            return False
+        self._index.add(job.digest, Entry(room.size, len(job.data)))
+        self._update_gauges()
+        return True
+
+    async def _write_new(self, digest: str, data_len: int, write: Callable[[list[Path], Path, Path], list[OSError]],
+                         limiter: trio.CapacityLimiter) -> Room | None:
+        """Reserve room for the new file ``digest`` of ``data_len`` data bytes (evicting what must
+        go) and run ``write(doomed, tmp, final)`` in a worker thread: it unlinks the evicted
+        files, writes ``tmp`` and renames it to ``final``. The reservation once written; None
+        when it is not (the reason counted)."""
+        room = self._room_for(data_len)
+        if room is None:
+            return None
         gone = trio.Event()
-        for digest in room.doomed:
-            self._unlinking[digest] = gone
-        tmp = self.layout.tmp / f"{job.digest}.{secrets.token_hex(4)}.tmp"
+        for doomed in room.doomed:
+            self._unlinking[doomed] = gone
+        tmp = self.layout.tmp / f"{digest}.{secrets.token_hex(4)}.tmp"
         written = False
-        write = functools.partial(self._write_file, exact=True) if job.exact and self.exact_files else self._write_file
         try:
-            errors = await in_thread(
-                write, [self.layout.block_path(d) for d in room.doomed], tmp,
-                self.layout.block_path(job.digest), job.data, self._chunk_size, self._fsync,
-                limiter=self._warm_limiter if job.low else self._limiter)
+            errors = await in_thread(write, [self.layout.block_path(d) for d in room.doomed], tmp,
+                                     self.layout.block_path(digest), limiter=limiter)
             written = True
         except fmt.NoXattrs:
             log.info("disk tier: %s keeps no user extended attributes: cache files keep their header "
                      "inside, and FUSE passthrough is off", self.root)
             self.exact_files = False
             self._metrics.passthrough_fallbacks.labels("no_xattr").inc()
-            return False
+            return None
+        except CorruptBlock as exc:          # a whole-object file's source block
+            log.info("disk tier: not writing %s: %s", digest, exc)
+            return None
         except OSError as exc:
             self._write_failed(exc)
-            return False
+            return None
         finally:
             self._release(room, written)
             gone.set()
         for exc in errors:
             self.watch.io_error("unlink", exc)
-        if job.cancelled:
-            self._schedule_unlink(job.digest, room.size)
+        return room
+
+    # -- whole-object files (a large object handed to the kernel: FUSE passthrough) --
+
+    def assembling(self, whole: BlockKey) -> bool:
+        return whole.digest() in self._assembling
+
+    async def assemble(self, whole: BlockKey, blocks: list[BlockKey], data_len: int) -> bool:
+        """Write the object whose cached blocks are ``blocks`` as one exact file under the key
+        ``whole`` (``format.write_whole_file``): True once it is in the tier. The blocks are held
+        while they are copied, then dropped: the whole file holds their bytes (``Tiers`` reads a
+        block from it). A block something else holds (a pin, a running warm) stays, at the cold
+        end of the index, and the object takes its bytes twice until it goes (both counted)."""
+        digest = whole.digest()
+        chunk = fmt.whole_chunk_size(data_len, whole.block_size)
+        if (not self.exact_files or chunk is None or digest in self._index or digest in self._assembling
+                or not all(self.contains(key) for key in blocks)):
             return False
-        self._index.add(job.digest, Entry(room.size, len(job.data)))
+        sources = [key.digest() for key in blocks]
+        self._assembling[digest] = False
+        self.hold(sources)
+        try:
+            ok = await self._assemble(digest, sources, data_len, chunk, whole.block_size)
+        finally:
+            self.release(sources)
+            cancelled = self._assembling.pop(digest)
+        if ok and cancelled:
+            self._drop(digest)
+            return False
+        if ok:
+            for source in sources:
+                if self._index.is_held(source):
+                    self._index.demote(source)        # a pin or a warm still wants it: kept
+                else:
+                    self._drop(source)
+        self._metrics.whole_files.labels("assembled" if ok else "failed").inc()
+        return ok
+
+    def no_exact_files(self) -> None:
+        """The kernel takes no cache files (no FUSE passthrough): write no more exact files."""
+        self.exact_files = False
+
+    async def _assemble(self, digest: str, sources: list[str], data_len: int, chunk: int, block_size: int) -> bool:
+        unlinking = self._unlinking.get(digest)       # a dropped (corrupt) earlier one: gone first
+        if unlinking is not None:
+            await unlinking.wait()
+        blocks = [(self.layout.block_file(d), min(block_size, data_len - i * block_size))
+                  for i, d in enumerate(sources)]
+        room = await self._write_new(digest, data_len, lambda doomed, tmp, final: fmt.write_whole_file(
+            doomed, tmp, final, blocks, chunk, self._fsync, self.direct), self._warm_limiter)
+        if room is None:
+            return False
+        self._index.add(digest, Entry(room.size, data_len))
         self._update_gauges()
         return True
 
@@ -489,6 +562,7 @@ class DiskTier:
             "protected_bytes": self._index.protected_bytes,
             "held_bytes": self._index.held_bytes,
             "pending_fill_bytes": self._pending_bytes,
+            "whole_files_writing": len(self._assembling),
             "health": self._health.name,
             "writes": "buffered" if self.direct is None else self.direct.mode(),
         }
