@@ -141,9 +141,10 @@ class MountConfig:
     fuse_max_background: int = field(default=64, metadata={
         "help": "kernel FUSE max_background (concurrent async requests)"})
     passthrough: str = field(default="auto", metadata={
-        "help": "auto: the kernel reads whole small files from their verified disk-tier files itself (FUSE "
-                "passthrough: no READ reaches the daemon) where the kernel offers it, the mount is --immutable "
-                "and not packed, and the daemon may (CAP_SYS_ADMIN); off: every read goes through the daemon"})
+        "help": "auto: the kernel reads cached files from their verified disk-tier files itself (FUSE "
+                "passthrough: no READ reaches the daemon; a large file once all its blocks are cached, "
+                "written whole) where the kernel offers it, the mount is --immutable and not packed, and "
+                "the daemon may (CAP_SYS_ADMIN); off: every read goes through the daemon"})
     fuse_backend: str = field(default_factory=lambda: os.environ.get("CACHEFS_FUSE_BACKEND", "cachefs"), metadata={
         "help": "who speaks the FUSE protocol: cachefs (its own layer over /dev/fuse) or pyfuse3 "
                 "(libfuse 3; kept for one release). The default comes from $CACHEFS_FUSE_BACKEND if set",

@@ -240,3 +240,48 @@ def test_a_whole_file_replaces_its_blocks_and_serves_reads_through_the_daemon(s3
     assert result.returncode == 0, result.stderr
     assert not whole_files(mnt.cache_dir) and mnt.status()["tiers"]["disk"]["blocks"] == 0
     assert (mnt / "ckpt/model.safetensors").read_bytes() == LARGE
+
+
+def test_a_warmup_writes_large_objects_whole_so_their_first_open_is_handed_over(s3_server, bucket, mount_factory):
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "big", {"ckpt/model.safetensors": LARGE})
+    port = free_port()
+    mnt = mount(mount_factory, f"s3://{bucket}/big", ("--endpoint-url", s3_server.endpoint_url), port,
+                "--immutable", "--block-size", "1M")
+    result = cachefs("warmup", str(mnt / "ckpt"))
+    assert result.returncode == 0, result.stderr
+    wait_assembled(port, 1)
+    before = metrics(port)
+    assert (mnt / "ckpt/model.safetensors").read_bytes() == LARGE
+    after = metrics(port)
+    assert after["cachefs_passthrough_opens_total"] == 1 and reads(after) == reads(before)
+
+
+@pytest.mark.allow_warnings          # the killed daemon's successor logs the takeover
+def test_a_daemon_killed_while_writing_a_whole_file_loses_nothing(s3_server, bucket, mount_factory):
+    """SIGKILL of the daemon at several points of writing a whole-object file: the object reads
+    right every time, and what is left in the cache is either its blocks or a whole file that
+    passes its check, never a torn file; no temp file outlives a restart."""
+    data = random.Random(11).randbytes(24 << 20)
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "big", {"ckpt/model.safetensors": data})
+    port = free_port()
+    mnt = mount(mount_factory, f"s3://{bucket}/big", ("--endpoint-url", s3_server.endpoint_url), port,
+                "--immutable", "--block-size", "1M")
+    for delay in (0.0, 0.02, 0.1, 0.3):
+        assert (mnt / "ckpt/model.safetensors").read_bytes() == data      # its close asks for the whole file
+        time.sleep(delay)
+        mnt.kill_daemon()
+        assert (mnt / "ckpt/model.safetensors").read_bytes() == data
+    mnt.umount()
+    mnt.start()
+    with open(mnt / "ckpt/model.safetensors", "rb") as f:
+        assert f.read() == data
+    mnt.umount()
+    assert not list((mnt.cache_dir / "blocks" / "tmp").iterdir())
+    for path in (mnt.cache_dir / "blocks" / "blocks").rglob("*"):
+        if path.is_file() and path.stat().st_size == len(data):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                header = fmt.exact_header(fd)
+                header.verify(0, memoryview(path.read_bytes()))
+            finally:
+                os.close(fd)
