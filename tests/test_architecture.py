@@ -158,6 +158,21 @@ def test_no_room_assigns_another_rooms_hook():
     assert offenders == []
 
 
+def test_the_namespace_reads_bytes_only_through_its_content_sources():
+    """One content seam (cachefs/namespace/content.py): outside it, no module of the namespace
+    calls a read or preload of the tiers, the packed view or the write-back."""
+    offenders = []
+    for path in (CORE / "namespace").glob("*.py"):
+        if path.name in ("content.py", "packed.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("read", "read_now", "preload") and isinstance(node.func.value, ast.Attribute)
+                    and node.func.value.attr in ("blocks", "packed", "wb")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.value.attr}.{node.func.attr}")
+    assert offenders == []
+
+
 def _enclosing_function(path: Path, lineno: int) -> str | None:
     best = None
     for node in ast.walk(ast.parse(path.read_text())):

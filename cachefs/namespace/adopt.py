@@ -14,7 +14,6 @@ from cachefs.namespace.dirs import DirHandle
 from cachefs.namespace.handles import Handle, fh_inode, make_fh
 from cachefs.namespace.ids import KnownNode
 from cachefs.namespace.nodes import CONTROL_INODE, FsError, Node
-from cachefs.tiers.cache import FileVersion
 
 log = logging.getLogger("cachefs.namespace.vfs")
 
@@ -36,9 +35,8 @@ class Adoption:
         node = self._adoptable(fh)
         if node.is_dir:
             raise FsError(errno.EBADF)
-        if self.packed is not None:
-            node.packed = self.packed.ref(node.path, node.size, node.etag, node.row)
-            handle = Handle(fh, node, node.packed.file if node.packed.crc is None else None)
+        if not self.files.writable:
+            handle = Handle(fh, node, self.files.file(node))
         else:
             entry = node.staged
             if entry is None and self.wb is not None:
@@ -49,7 +47,7 @@ class Adoption:
                 handle = Handle(fh, node, None, entry, writable=True)
                 self.wb.opened(entry, writable=True)
             else:
-                handle = Handle(fh, node, FileVersion(node.path, node.etag, node.size))
+                handle = Handle(fh, node, self.files.file(node))
         self.handles[fh] = handle
         node.opens += 1
         log.debug("adopted handle %#x of %s (opened by a previous daemon)", fh, node.path)

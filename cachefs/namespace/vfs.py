@@ -6,7 +6,9 @@ owned by the trio thread; store calls run in worker threads. Listings are the
 forever when the dataset is immutable); this module lays what the write-back has
 staged over each listing it takes, and keeps the nodes. The write-back is asked only
 what is staged (``staged``, ``overlay``, ``space``); ``nodes``, ``dirs`` and
-``handles`` hold the plain data.
+``handles`` hold the plain data. A file's bytes come from its source (``content.py``:
+the store through the block cache, a packed dataset, or a staged file), picked per
+handle by ``source``; this module never reads them itself.
 """
 
 import errno
@@ -22,6 +24,7 @@ from cachefs.errors import NeedsWait, NoSuchKey, StoreError
 from cachefs.namespace.adopt import Adoption
 from cachefs.namespace.catalog import Catalog
 from cachefs.namespace.changes import NameChanges
+from cachefs.namespace.content import WRITE_FLAGS, PackedContent, StagedContent, StoreContent
 from cachefs.namespace.dirs import DirHandle, DirState, dir_prefix, join, split
 from cachefs.namespace.handles import Handle, fh_inode
 from cachefs.namespace.ids import IdLog
@@ -60,6 +63,9 @@ class Vfs(NameChanges, Adoption):
         if barrier is not None:
             barrier.connect(self._saved.sync)           # rows durable before the record covering them goes
         self.blocks = blocks
+        # where files' bytes come from (content.py): the store (or a packed dataset), and staged files
+        self.files = PackedContent(packed, blocks) if packed is not None else StoreContent(blocks)
+        self.staged = StagedContent(writeback) if writeback is not None else None
         self._limiter = catalog.limiter
         self._nodes = NodeTable(time.time(), ids)
         self._next_fh = itertools.count(1)
@@ -134,8 +140,8 @@ class Vfs(NameChanges, Adoption):
             raise FsError(errno.ENOTDIR)
         node = await self.child(parent, name)
         self.remember(node)
-        if node.is_store_file and node.kernel_etag != node.etag and self.packed is None and self.is_fresh(node.checked_at):
-            self.blocks.readahead_file(FileVersion(node.path, node.etag, node.size))   # an open comes next
+        if node.is_store_file and self.is_fresh(node.checked_at):
+            self.files.looked_up(node)          # an open comes next
         return node
 
     def lookup_now(self, parent_inode: int, name: str) -> Node:
@@ -151,8 +157,8 @@ class Vfs(NameChanges, Adoption):
                 raise NeedsWait
             node = self._child_in(state, parent, name)
         self.remember(node)
-        if node.is_store_file and node.kernel_etag != node.etag and self.packed is None and self.is_fresh(node.checked_at):
-            self.blocks.readahead_file(FileVersion(node.path, node.etag, node.size))   # an open comes next
+        if node.is_store_file and self.is_fresh(node.checked_at):
+            self.files.looked_up(node)          # an open comes next
         return node
 
     def getattr_now(self, inode: int) -> Node:
@@ -244,12 +250,12 @@ class Vfs(NameChanges, Adoption):
         (a store file of an unpacked mount, opened for reading, nothing staged, fresh): None when
         it cannot; NeedsWait when the node needs revalidating first. No side effect."""
         node = self.node(inode)
-        if (node.is_dir or not node.is_store_file or node.staged is not None or self.packed is not None
-                or flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND)):
+        if (node.is_dir or not node.is_store_file or node.staged is not None or not self.files.hands_over
+                or flags & WRITE_FLAGS):
             return None
         if not self.is_fresh(node.checked_at):
             raise NeedsWait
-        return FileVersion(node.path, node.etag, node.size)
+        return StoreContent.version(node)
 
     def open_now(self, inode: int, flags: int, *, handed_over: bool = False) -> tuple[Handle, bool]:
         """``open`` of a file for reading that needs no revalidation and no content pushed to the
@@ -258,16 +264,13 @@ class Vfs(NameChanges, Adoption):
         node = self.node(inode)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND) or not self.is_fresh(node.checked_at):
+        if flags & WRITE_FLAGS or not self.is_fresh(node.checked_at):
             raise NeedsWait
-        if not handed_over and node.kernel_etag != node.etag and node.staged is None and (
-                self.packed is not None or self.blocks.preload_needed(FileVersion(node.path, node.etag, node.size))):
+        if not handed_over and node.staged is None and self.files.preload_needed(node):
             raise NeedsWait               # the open pushes the content to the kernel: an await
-        if self.packed is not None:
-            return self._open_packed(node, flags)
         if node.staged is not None:
             return self._new_handle(node, node.staged, writable=False), False
-        return self._open_version(node)
+        return self._open_file(node, flags)
 
     async def open(self, inode: int, flags: int) -> tuple[Handle, bool]:
         """A handle pinned to the object's current version, and whether the kernel may keep
@@ -275,51 +278,39 @@ class Vfs(NameChanges, Adoption):
         node = self.node(inode)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        if self.packed is not None:
-            return self._open_packed(node, flags)
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+        if flags & WRITE_FLAGS and self.files.writable:
             return await self._open_for_write(node, flags), False
         if node.staged is not None:
             return self._new_handle(node, node.staged, writable=False), False
-        await self.revalidate(node)
-        return self._open_version(node)
+        await self.revalidate(node)          # a packed dataset is immutable: always fresh
+        return self._open_file(node, flags)
 
-    def _open_version(self, node: Node) -> tuple[Handle, bool]:
-        keep_cache = node.kernel_etag == node.etag
-        node.kernel_etag = node.etag
+    def _open_file(self, node: Node, flags: int) -> tuple[Handle, bool]:
+        """A handle on the version of ``node`` its source pins (content.py)."""
+        file, keep_cache = self.files.open(node, flags)
         fh = self.new_fh(node.inode)
-        handle = self.handles[fh] = Handle(fh, node, FileVersion(node.path, node.etag, node.size))
+        handle = self.handles[fh] = Handle(fh, node, file)
         node.opens += 1
         return handle, keep_cache
 
-    def _open_packed(self, node: Node, flags: int) -> tuple[Handle, bool]:
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            log.info("%s: refused a write (EROFS): a packed dataset is read-only; repack to change it", node.path)
-            raise FsError(errno.EROFS)
-        node.packed = self.packed.ref(node.path, node.size, node.etag, node.row)   # verified anew by each open
-        keep_cache = node.kernel_etag == node.etag
-        node.kernel_etag = node.etag
-        fh = self.new_fh(node.inode)
-        raw = node.packed.crc is None      # a raw object of the layout is its own file (preload works)
-        handle = self.handles[fh] = Handle(fh, node, node.packed.file if raw else None)
-        node.opens += 1
-        return handle, keep_cache
+    def source(self, handle: Handle) -> StoreContent | PackedContent | StagedContent:
+        """Where a read of ``handle`` gets its bytes: the staged file it reads while there is
+        one readable, else the mount's files."""
+        if self.staged is not None:
+            entry = StagedContent.entry(handle)
+            if entry is not None and entry.readable:
+                return self.staged
+        return self.files
 
     async def preload(self, handle: Handle) -> bytes | None:
         """Content to push into the kernel page cache at open (see Tiers.preload)."""
-        if handle.node.packed is not None and handle.file is None:
-            return await self.packed.preload(handle.node.packed, handle.stream)
-        if handle.file is None or handle.node.staged is not None:
-            return None
-        return await self.blocks.preload(handle.file, handle.stream)
+        return await self.source(handle).preload(handle)
 
     def read_now(self, fh: int, offset: int, size: int) -> bytes | memoryview:
-        """``read`` of a store file whose blocks the memory tier holds (NeedsWait otherwise)."""
+        """``read`` that needs no wait: a store file whose blocks the memory tier holds
+        (NeedsWait otherwise)."""
         handle = self.handle(fh)
-        node = handle.node
-        if node.packed is not None or node.staged is not None or handle.entry is not None or handle.file is None:
-            raise NeedsWait
-        return self.blocks.read_now(handle.file, offset, size, handle.stream)
+        return self.source(handle).read_now(handle, offset, size)
 
     def release_now(self, fh: int) -> None:
         """``release`` of a handle with no staged file (NeedsWait for one that has)."""
@@ -334,19 +325,7 @@ class Vfs(NameChanges, Adoption):
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handle(fh)
-        node = handle.node
-        if node.packed is not None:
-            return await self.packed.read(node.packed, handle.stream, offset, size)
-        entry = node.staged if node.staged is not None else handle.entry
-        if entry is not None and entry.readable:
-            return self.wb.read(entry, offset, size)
-        if handle.file is None:      # opened while staged, since uploaded: read that version
-            handle.file = FileVersion(node.path, node.etag, node.size)
-        try:
-            return await self.blocks.read(handle.file, offset, size, handle.stream)
-        except StoreError:
-            handle.node.checked_at = 0.0      # the next open revalidates
-            raise
+        return await self.source(handle).read(handle, offset, size)
 
     async def release(self, fh: int) -> None:
         handle = self.handles.pop(fh, None)
