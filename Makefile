@@ -1,7 +1,7 @@
 # Two entry points: `make demo` (the whole job on a local S3 server) and `make test`.
 # `make demo` installs only what the demo uses: Debian's fuse3, libfuse3-dev and pkg-config (the
 # FUSE runtime and pyfuse3's build), and a virtualenv with cachefs and its `server` extra (moto).
-# `make test` adds Ceph's mon/osd/mgr/radosgw (tests/test_rgw.py runs a throw-away Ceph RGW) and
+# `make test` adds Ceph's mon/osd/mgr/radosgw (tests/store/test_rgw.py runs a throw-away Ceph RGW) and
 # the `test` extra (torch CPU, SeaweedFS, rclone, hypothesis, ...). apt runs only as root.
 PYTHON ?= python3
 VENV   := .venv
@@ -15,9 +15,9 @@ demo: $(DEMO_STAMP)
 
 # The FUSE tests that run a second time through the pyfuse3 fallback backend (the differential
 # test drives both in one run).
-PYFUSE3_TESTS := tests/test_mount_read.py tests/test_writeback_mount.py tests/test_consistency.py \
-	tests/test_control_mount.py tests/test_open_deadlock.py tests/test_packed_mount.py \
-	tests/test_empty_prefix.py tests/test_hedge_mount.py
+PYFUSE3_TESTS := tests/namespace/test_mount_read.py tests/writeback/test_writeback_mount.py tests/namespace/test_consistency.py \
+	tests/control/test_control_mount.py tests/fuse/test_open_deadlock.py tests/packed/test_packed_mount.py \
+	tests/namespace/test_empty_prefix.py tests/tiers/test_hedge_mount.py
 
 test: lint
 	$(VENV)/bin/pytest -q -ra --durations=25

@@ -11,7 +11,7 @@ removes the temp dir.
 
 Needs Debian's ceph-mon, ceph-osd, ceph-mgr and radosgw (see the Makefile's ``deps``).
 Measured here (2 cores): ready in 5-7 s; the four daemons hold ~175 MB RSS at start and ~290 MB
-after tests/test_rgw.py (the OSD and RGW caches grow; osd_memory_target caps the OSD at 1 GiB).
+after tests/store/test_rgw.py (the OSD and RGW caches grow; osd_memory_target caps the OSD at 1 GiB).
 docs/ceph-rgw.md explains the configuration.
 """
 

@@ -7,11 +7,13 @@ synchronous caller (a Hypothesis state machine) can drive it while uploads run i
 
 import errno
 import os
+import random
 import threading
 from contextlib import asynccontextmanager
 
+import pytest
 import trio
-from test_block_cache import CountingStore, make_cache
+from memory_stores import BS, CountingStore, MemoryBucket, make_cache
 
 from cachefs.errors import CachefsError
 from cachefs.metrics import Metrics
@@ -337,3 +339,48 @@ class WriteCountingStore(CountingStore):
     make_dir = _pass("make_dir")
     remove_dir = _pass("remove_dir")
     del _pass
+
+
+# ---- helpers of the kernel-free write-back tests ----------------------------------------------
+
+def counted(bucket: MemoryBucket) -> WriteCountingStore:
+    return WriteCountingStore(bucket.store().inner)
+
+
+def stored(store, path: str) -> bytes:
+    info = store.inner.head(path)
+    return store.inner.get(path, 0, info.size, info.etag, info.size)
+
+
+async def oserror(coro) -> int:
+    with pytest.raises(OSError) as info:
+        await coro
+    return info.value.errno
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+# ---- a small tree, and walking it as the kernel would (namespace tests) -------------------------
+
+BIG = random.Random(1).randbytes(3 * BS + 5)
+TREE = {"a.txt": b"hello world", "d/b.bin": BIG, "d/e/c": b"c", "z": b""}
+
+
+async def walk(vfs: Vfs, path: str):
+    """Look up each component of ``path`` as the kernel would; the last node."""
+    node = vfs.node(ROOT_INODE)
+    for name in path.split("/"):
+        node = await vfs.lookup(node.inode, name)
+    return node
+
+
+async def listdir(vfs: Vfs, inode: int, start: int = 0) -> list[tuple[str, int]]:
+    fh = await vfs.opendir(inode)
+    try:
+        return [(name, next_offset) for name, _, next_offset in vfs.readdir_entries(fh, start)]
+    finally:
+        vfs.releasedir(fh)

@@ -20,7 +20,7 @@ GET. So this module speaks the small part of HTTP/1.1 a GET needs, and nothing e
 
 Responses are read with h11's grammar (status line, field syntax, obsolete folding joined,
 repeated or listed Content-Length only when equal, Transfer-Encoding only ``chunked``, chunk
-headers and trailers, bare-LF line ends, no body on 204/304): ``tests/test_http_framing.py``
+headers and trailers, bare-LF line ends, no body on 204/304): ``tests/store/test_http_framing.py``
 fuzzes both parsers with Hypothesis and requires the same status and body, or both refusing.
 
 Why not h11 itself: ``benchmarks/bench_http_client.py`` (110 KiB objects from ``rclone serve s3``
@@ -50,7 +50,7 @@ from cachefs.store.s3 import fresh
 from cachefs.store.s3.answer import Window, error_of
 from cachefs.store.s3.sigv4 import Signer, object_path
 
-# The response grammar, as h11 0.16 reads it (tests/test_http_framing.py checks that we agree).
+# The response grammar, as h11 0.16 reads it (tests/store/test_http_framing.py checks that we agree).
 _BLANK_LINE = re.compile(rb"\n\r?\n")
 _STATUS_LINE = re.compile(rb"HTTP/(1\.[01]) ([0-9]{3})")      # then nothing, or " " and a reason
 # A field line is token ":" OWS value OWS, the value any bytes but NUL and whitespace other than

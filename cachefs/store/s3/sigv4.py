@@ -3,7 +3,7 @@ for the day; and the one check of every header value we send.
 
 botocore's signer derives the signing key (four HMACs) and rebuilds its header tables for every
 request: ~15% of the daemon's CPU during a warmup. This signer computes the same signature
-(``tests/test_sigv4.py`` checks it against botocore's for GET, PUT, ListObjectsV2 and UploadPart,
+(``tests/store/test_sigv4.py`` checks it against botocore's for GET, PUT, ListObjectsV2 and UploadPart,
 with query strings, session tokens and odd keys) from the same credentials object, so rotation and
 refresh behave as in boto3, and derives the key once per (secret, day, region).
 

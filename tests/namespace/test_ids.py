@@ -1,0 +1,195 @@
+"""The kernel's ids kept for the next daemon of a live mount (cachefs/namespace/ids.py, adopt.py),
+without a kernel: the id log's records and replay (torn records, compaction), and a second Vfs that
+takes over a first one's nodes, handles and backing ids as a successor daemon does."""
+
+import errno
+import os
+import types
+
+import pytest
+import trio
+from kernel_free import TREE, WriteCountingStore, build_vfs, listdir, make_stack, running, walk
+from memory_stores import MemoryBucket, make_cache
+
+from cachefs.control.server import Control
+from cachefs.fuse.types import Context
+from cachefs.fuse_ops import Operations
+from cachefs.metrics import Metrics
+from cachefs.namespace.handles import fh_inode, make_fh
+from cachefs.namespace.ids import IdLog
+from cachefs.namespace.vfs import CONTROL_INODE, ROOT_INODE, FsError, Vfs
+
+
+def test_the_log_replays_what_the_kernel_holds(tmp_path):
+    path = str(tmp_path / "ids")
+    log = IdLog(path, fresh=True)
+    log.node(16, "a.txt", False, 11, 100.0, 500.0, "e1")
+    log.node(17, "d", True, 0, 0.0, 500.0, "")
+    log.node(18, "d/b", False, 5, 101.0, 500.0, "e2")
+    log.node(19, "gone", False, 1, 1.0, 500.0, "e3")
+    log.version(16, 12, 102.0, 600.0, "e1b")
+    log.moved(18, "d/c")
+    log.unlinked(16)
+    log.dropped(19)
+    log.backing(18, 7)
+    log.backing(17, 9)
+    log.backing_closed(17)
+    log.close()
+    known = IdLog(path, fresh=False).known
+    assert sorted(known.nodes) == [16, 17, 18]
+    a, d, c = known.nodes[16], known.nodes[17], known.nodes[18]
+    assert (a.path, a.size, a.mtime, a.checked, a.etag, a.linked) == ("a.txt", 12, 102.0, 600.0, "e1b", False)
+    assert d.is_dir and d.linked and (c.path, c.etag, c.linked) == ("d/c", "e2", True)
+    assert known.backings == {18: 7}
+    assert IdLog(path, fresh=True).known.nodes == {}           # a new mount starts empty
+
+
+@pytest.mark.allow_warnings          # the unknown record is logged
+def test_a_torn_last_record_is_dropped(tmp_path):
+    path = str(tmp_path / "ids")
+    log = IdLog(path, fresh=True)
+    log.node(16, "a", False, 1, 1.0, 1.0, "x")
+    log.node(17, "bbbbbbbbbb", False, 1, 1.0, 1.0, "y")
+    log.close()
+    size = os.path.getsize(path)
+    os.truncate(path, size - 3)               # the daemon died in the middle of the second write
+    known = IdLog(path, fresh=False).known
+    assert sorted(known.nodes) == [16]
+    with open(path, "ab") as fh:              # garbage after a compaction is ignored with a warning too
+        fh.write(b"Z" + b"\0" * 8)
+    assert sorted(IdLog(path, fresh=False).known.nodes) == [16]
+
+
+def test_the_log_stays_the_size_of_the_live_set(tmp_path):
+    path = str(tmp_path / "ids")
+    log = IdLog(path, fresh=True)
+    for round_ in range(6):                   # epochs that make and forget 10,000 nodes each
+        base = 16 + round_ * 10_000
+        for inode in range(base, base + 10_000):
+            log.node(inode, f"train/{inode:08d}.jpg", False, 100_000, 1.0, 1.0, "0123456789abcdef")
+        for inode in range(base, base + 10_000 - 10):
+            log.dropped(inode)
+    assert os.path.getsize(path) < 2 * (1 << 20)
+    log.close()
+    known = IdLog(path, fresh=False).known
+    assert len(known.nodes) == 60 and all(node.path == f"train/{inode:08d}.jpg" for inode, node in known.nodes.items())
+
+
+def test_a_handle_number_names_its_inode():
+    fh = make_fh(123456789, 3, 70_000)
+    assert fh_inode(fh) == 123456789 and fh < 1 << 64
+    assert make_fh(5, 0, 1) != make_fh(5, 1, 1)        # another generation: another number
+
+
+def _vfs(store, ids, generation, wb=None) -> Vfs:
+    return build_vfs(store, make_cache(store, Metrics()), ids=ids, generation=generation, writeback=wb)
+
+
+def test_a_successor_serves_the_ids_its_predecessor_handed_out(tmp_path):
+    bucket = MemoryBucket()
+    for name, data in TREE.items():
+        bucket.put(name, data)
+    store = bucket.store()
+    path = str(tmp_path / "ids")
+    first = _vfs(store, IdLog(path, fresh=True), 0)
+    state = {}
+
+    async def before():
+        a = await walk(first, "a.txt")
+        d = await walk(first, "d")
+        handle, _ = await first.open(a.inode, os.O_RDONLY)
+        state.update(a=a.inode, d=d.inode, fh=handle.fh, dir_fh=await first.opendir(d.inode),
+                     names=[n for n, _ in await listdir(first, d.inode)], calls=dict(store.calls))
+        with pytest.raises(FsError) as info:        # a first daemon has no predecessor: unknown is EBADF
+            await first.read(make_fh(a.inode, 7, 1), 0, 5)
+        assert info.value.errno == errno.EBADF
+    trio.run(before)
+    first._nodes.ids.close()
+
+    ids = IdLog(path, fresh=False)
+    second = _vfs(store, ids, 1)
+    second.restore(list(ids.known.nodes.values()))
+
+    async def after():
+        # the same inode numbers, the same paths; no HEAD (fresh as when the first daemon saw them)
+        assert second.node(state["a"]).path == "a.txt" and second.node(state["d"]).is_dir
+        assert await second.read(state["fh"], 0, 100) == TREE["a.txt"]           # a handle opened before
+        assert store.calls.get("head", 0) == state["calls"].get("head", 0)
+        handle = await second.dir_handle(state["dir_fh"])                       # an open directory too
+        assert handle.names == state["names"]
+        new = await walk(second, "z")
+        assert new.inode > max(state["a"], state["d"])                          # new ids never collide
+        with pytest.raises(FsError):
+            second.handle(make_fh(CONTROL_INODE, 0, 1))                         # a control conversation is over
+        # a restored node is dropped at its first FORGET (the kernel forgets an inode all at once)
+        second.forget(state["d"], 1)
+        assert second.find_node(state["d"]) is None
+        second.forget(ROOT_INODE, 1)
+        assert second.find_node(ROOT_INODE) is not None
+        await second.release(state["fh"])
+        assert second.node(state["a"]).opens == 0
+    trio.run(after)
+
+
+def test_restored_backing_ids_answer_their_inodes_opens_until_forget(tmp_path):
+    bucket = MemoryBucket()
+    bucket.put("a.txt", b"hello")
+    store = bucket.store()
+    ids = IdLog(str(tmp_path / "ids"), fresh=True)
+    first = _vfs(store, ids, 0)
+    inode = trio.run(walk, first, "a.txt").inode
+    ids.backing(inode, 42)
+    ids.close()
+    ids = IdLog(str(tmp_path / "ids"), fresh=False)
+    vfs = _vfs(store, ids, 1)
+    vfs.restore(list(ids.known.nodes.values()))
+    closed = []
+    kernel = types.SimpleNamespace(passthrough=True, backing_close=closed.append)
+    ops = Operations(vfs, Control(lambda: vfs.new_fh(CONTROL_INODE)), Metrics(), kernel, uid=0, gid=0,
+                     file_mode=0o644, dir_mode=0o755, metadata_ttl=60.0, immutable=True)
+    ops.restore_backings(ids.known.backings)
+    assert ops.backings.reuse(inode) == 42 and ops.backings.reuse(inode) == 42
+    ops.forget([(inode, 1)])                  # still open (two reuses): kept
+    assert closed == [] and inode in ops.backings.by_inode
+    for fh in (1, 2):
+        ops.backings.bind(fh, inode)
+        ops.backings.unbind(fh)
+    assert closed == []                       # idle, yet never closed before the inode's FORGET
+    ops.forget([(inode, 1)])
+    assert closed == [42] and ids.known.backings == {inode: 42}
+    assert ops.backings.by_inode == {}
+
+
+def test_resent_requests_count_what_was_applied_as_done(tmp_path):
+    """A request the kernel sends again (bit 63 of its unique) may have been applied by the dead
+    daemon: mkdir then finds the directory, unlink and rmdir find nothing, rename finds the new name."""
+    store = WriteCountingStore(MemoryBucket().store().inner)
+    vfs, wb = make_stack(store, str(tmp_path / "staging"))
+    ops = Operations(vfs, Control(lambda: vfs.new_fh(CONTROL_INODE)), Metrics(),
+                     types.SimpleNamespace(passthrough=False), uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
+                     metadata_ttl=60.0, immutable=False)
+    fresh, resent = Context(0, 0, 1), Context(0, 0, 1, resent=True)
+
+    async def main():
+        async with running(vfs, wb):
+            await ops.mkdir(ROOT_INODE, b"out", 0o755, fresh)
+            attr = await ops.mkdir(ROOT_INODE, b"out", 0o755, resent)          # applied already: its entry
+            assert attr.ino == (await vfs.lookup(ROOT_INODE, "out")).inode
+            with pytest.raises(Exception) as info:
+                await ops.mkdir(ROOT_INODE, b"out", 0o755, fresh)              # a real second mkdir: EEXIST
+            assert info.value.errno == errno.EEXIST
+            info_, _ = await ops.create(ROOT_INODE, b"f", 0o644, os.O_WRONLY, fresh)
+            await ops.release(info_.fh)
+            await ops.rename(ROOT_INODE, b"f", ROOT_INODE, b"g", 0, fresh)
+            await ops.rename(ROOT_INODE, b"f", ROOT_INODE, b"g", 0, resent)     # moved already: done
+            with pytest.raises(Exception) as info:
+                await ops.rename(ROOT_INODE, b"f", ROOT_INODE, b"h", 0, resent)  # nothing at either name
+            assert info.value.errno == errno.ENOENT
+            await ops.unlink(ROOT_INODE, b"g", fresh)
+            await ops.unlink(ROOT_INODE, b"g", resent)
+            await ops.rmdir(ROOT_INODE, b"out", fresh)
+            await ops.rmdir(ROOT_INODE, b"out", resent)
+            with pytest.raises(Exception) as info:
+                await ops.unlink(ROOT_INODE, b"g", fresh)
+            assert info.value.errno == errno.ENOENT
+    trio.run(main)
