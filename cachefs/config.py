@@ -143,8 +143,9 @@ class MountConfig:
     passthrough: str = field(default="auto", metadata={
         "help": "auto: the kernel reads cached files from their verified disk-tier files itself (FUSE "
                 "passthrough: no READ reaches the daemon; a large file once all its blocks are cached, "
-                "written whole) where the kernel offers it, the mount is --immutable and not packed, and "
-                "the daemon may (CAP_SYS_ADMIN); off: every read goes through the daemon"})
+                "written whole) where the kernel offers it, the mount is --immutable or --read-only (each "
+                "version of a changing object then has its own inode) and not packed, and the daemon may "
+                "(CAP_SYS_ADMIN); off: every read goes through the daemon"})
     fuse_backend: str = field(default_factory=lambda: os.environ.get("CACHEFS_FUSE_BACKEND", "cachefs"), metadata={
         "help": "who speaks the FUSE protocol: cachefs (its own layer over /dev/fuse) or pyfuse3 "
                 "(libfuse 3; kept for one release). The default comes from $CACHEFS_FUSE_BACKEND if set",
@@ -233,11 +234,12 @@ class MountConfig:
 
     def passthrough_wanted(self, packed: bool) -> str | None:
         """None when this mount asks the kernel for passthrough, else why not (a fallback reason):
-        objects must not change under an open file's inode (--immutable), and a packed dataset's
+        the mount must not be written through (--immutable or --read-only: a read-only mount of a
+        bucket whose objects change gives each version its own inode), and a packed dataset's
         files are ranges of shards, not files of their own."""
         if self.passthrough == "off" or self.fuse_backend != "cachefs":
             return "off"
-        if not self.immutable or packed:
+        if not (self.immutable or self.read_only) or packed:
             return "mutable"
         return None
 

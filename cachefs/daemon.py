@@ -128,7 +128,8 @@ class Daemon:
                                listed=listed, versioned=versioned)
         self.vfs = Vfs(store, self.tiers, self.catalog, writeback=self.writeback, fsync_remote=cfg.fsync == "remote",
                        packed=self.packed, listed=listed, versioned=versioned, retired=retired, barrier=barrier,
-                       ids=self.ids, generation=link.go.get("generation", 0) if link is not None else 0)
+                       ids=self.ids, generation=link.go.get("generation", 0) if link is not None else 0,
+                       versioned_inodes=no_passthrough is None and not immutable)
         self.warmer = Warmer(self.catalog, self.tiers, store, metrics, packed=self.packed,
                              max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
                              dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget,

@@ -41,7 +41,7 @@ class FsStats:
 
 class Node:
     __slots__ = ("inode", "path", "is_dir", "size", "mtime", "etag", "checked_at", "lookups",
-                 "opens", "kernel_etag", "staged", "packed", "mode", "row")
+                 "opens", "kernel_etag", "staged", "packed", "mode", "row", "superseded")
 
     def __init__(self, inode: int, path: str, is_dir: bool, info: ObjectInfo | None, now: float) -> None:
         self.inode = inode
@@ -58,6 +58,7 @@ class Node:
         self.packed = None          # a packed dataset's file: where its bytes are (namespace/packed.py)
         self.mode: int | None = None  # st_mode a packed dataset's index records (None: the mount's file mode)
         self.row = -1               # a packed dataset's file: its index row (-1: not known)
+        self.superseded = False     # a newer version of its path has a node of its own (NodeTable.versioned)
 
     def show(self, entry: StagedFile) -> None:
         self.staged = entry
@@ -78,15 +79,21 @@ class Node:
 
 
 class NodeTable:
-    """The inodes the kernel knows, and the path each names now."""
+    """The inodes the kernel knows, and the path each names now.
 
-    def __init__(self, now: float, ids: IdLog | None = None) -> None:
+    ``versioned``: a new version of a file gets a new inode (``supersede``); the old node keeps
+    its version for the handles and the kernel references that hold it, and its path no longer
+    names it. A mount whose kernel reads cache files itself (FUSE passthrough) needs this when its
+    objects can change: the kernel keeps one backing file per inode while it is open."""
+
+    def __init__(self, now: float, ids: IdLog | None = None, *, versioned: bool = False) -> None:
         root = Node(ROOT_INODE, "", True, None, now)
         root.lookups = 1 << 62      # never forgotten
         self._nodes: dict[int, Node] = {ROOT_INODE: root}
         self._by_path: dict[str, int] = {"": ROOT_INODE}
         self._next_inode = itertools.count(_FIRST_INODE)
         self.ids = ids
+        self.versioned = versioned
 
     def restore(self, known: list[KnownNode]) -> None:
         """Take over the nodes a previous daemon handed out: same ids, same paths. Their
@@ -131,16 +138,33 @@ class NodeTable:
         node = self.at(path)
         if node is not None:
             if node.is_dir == is_dir:
-                if info is not None and info.etag != node.etag:
-                    self.update(node, info, now)
-                return node
-            self.drop(node)
+                if info is None or info.etag == node.etag:
+                    return node
+                if not self.new_version(node, info, now):
+                    return node
+            else:
+                self.drop(node)
         node = Node(next(self._next_inode), path, is_dir, info, now)
         self._nodes[node.inode] = node
         self._by_path[path] = node.inode
         if self.ids is not None:
             self.ids.node(node.inode, path, is_dir, node.size, node.mtime, node.checked_at, node.etag)
         return node
+
+    def new_version(self, node: Node, info: ObjectInfo, now: float) -> bool:
+        """The store holds ``info`` for ``node``'s path: update the node in place, or, ``versioned``
+        and the ETag changed, supersede it (True: the path names no node until it is looked up)."""
+        if self.versioned and not node.is_dir and node.etag and info.etag != node.etag:
+            self.supersede(node)
+            return True
+        self.update(node, info, now)
+        return False
+
+    def supersede(self, node: Node) -> None:
+        """A newer version of ``node``'s path gets a node of its own; ``node`` keeps its version."""
+        node.superseded = True
+        if self._by_path.get(node.path) == node.inode:
+            self.unlink(node.path)
 
     def update(self, node: Node, info: ObjectInfo, now: float) -> None:
         """``node`` names ``info``'s version, current as of ``now`` (a new version is written down)."""

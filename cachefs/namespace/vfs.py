@@ -46,7 +46,8 @@ class Vfs(NameChanges, Adoption):
     def __init__(self, store: ObjectStore, blocks: Tiers, catalog: Catalog, *,
                  writeback: Writeback | None = None, fsync_remote: bool = False, packed: PackedView | None = None,
                  listed: Port | None = None, versioned: Port | None = None, retired: Port | None = None,
-                 barrier: Port | None = None, ids: IdLog | None = None, generation: int = 0) -> None:
+                 barrier: Port | None = None, ids: IdLog | None = None, generation: int = 0,
+                 versioned_inodes: bool = False) -> None:
         self.store = store
         self.catalog = catalog      # every directory's listing (catalog.py)
         self.packed = packed        # a packed dataset's view (namespace/packed.py), also the catalog's source
@@ -67,7 +68,9 @@ class Vfs(NameChanges, Adoption):
         self.files = PackedContent(packed, blocks) if packed is not None else StoreContent(blocks)
         self.staged = StagedContent(writeback) if writeback is not None else None
         self._limiter = catalog.limiter
-        self._nodes = NodeTable(time.time(), ids)
+        # versioned_inodes: a new version of a file is a new inode (nodes.NodeTable), for FUSE
+        # passthrough on a mount whose objects can change
+        self._nodes = NodeTable(time.time(), ids, versioned=versioned_inodes)
         self._next_fh = itertools.count(1)
         self.generation = generation        # 0: a new mount; n: the n-th daemon to serve it (keeper.py)
         self.handles: dict[int, Handle] = {}
@@ -91,7 +94,7 @@ class Vfs(NameChanges, Adoption):
         for name, info in state.files.items():
             node = self._nodes.at(join(path, name))
             if node is not None and node.is_store_file:
-                self._nodes.update(node, info, now)
+                self._nodes.new_version(node, info, now)
 
     def _overlay(self, path: str, state: DirState) -> None:
         """Apply what is written but not yet (or only just) in the store to a fresh listing."""
@@ -203,8 +206,10 @@ class Vfs(NameChanges, Adoption):
         return node
 
     async def revalidate(self, node: Node) -> None:
-        """Refresh a file's metadata with a HEAD once its TTL has passed (docs/design.md, invariant 1)."""
-        if self.is_fresh(node.checked_at):
+        """Refresh a file's metadata with a HEAD once its TTL has passed (docs/design.md, invariant 1).
+        With versioned inodes a new version supersedes the node (``node.superseded``), which keeps
+        the version it had."""
+        if self.is_fresh(node.checked_at) or node.superseded:
             return
         try:
             info = await trio.to_thread.run_sync(self.store.head, node.path, limiter=self._limiter)
@@ -217,7 +222,7 @@ class Vfs(NameChanges, Adoption):
             return
         if info.etag != node.etag:
             log.info("%s changed in the store (ETag %s -> %s)", node.path, node.etag, info.etag)
-        self._nodes.update(node, info, time.time())
+        self._nodes.new_version(node, info, time.time())
         self.catalog.publish(info)
 
     # ---- directories ------------------------------------------------------------------------
@@ -253,7 +258,7 @@ class Vfs(NameChanges, Adoption):
         if (node.is_dir or not node.is_store_file or node.staged is not None or not self.files.hands_over
                 or flags & WRITE_FLAGS):
             return None
-        if not self.is_fresh(node.checked_at):
+        if not self.is_fresh(node.checked_at) or node.superseded:
             raise NeedsWait
         return StoreContent.version(node)
 
@@ -264,7 +269,7 @@ class Vfs(NameChanges, Adoption):
         node = self.node(inode)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        if flags & WRITE_FLAGS or not self.is_fresh(node.checked_at):
+        if flags & WRITE_FLAGS or not self.is_fresh(node.checked_at) or node.superseded:
             raise NeedsWait
         if not handed_over and node.staged is None and self.files.preload_needed(node):
             raise NeedsWait               # the open pushes the content to the kernel: an await
@@ -283,6 +288,9 @@ class Vfs(NameChanges, Adoption):
         if node.staged is not None:
             return self._new_handle(node, node.staged, writable=False), False
         await self.revalidate(node)          # a packed dataset is immutable: always fresh
+        if node.superseded:
+            # a newer version has its own inode: ESTALE makes the kernel look the path up again
+            raise FsError(errno.ESTALE, f"{node.path}: a newer version has a new inode")
         return self._open_file(node, flags)
 
     def _open_file(self, node: Node, flags: int) -> tuple[Handle, bool]:
@@ -441,4 +449,4 @@ class Vfs(NameChanges, Adoption):
         """A newer version of a file (a warmup's HEAD after a 412): its node shows it from now on."""
         node = self._nodes.at(info.path)
         if node is not None and node.is_store_file:
-            self._nodes.update(node, info, time.time())
+            self._nodes.new_version(node, info, time.time())

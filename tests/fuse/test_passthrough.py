@@ -285,3 +285,43 @@ def test_a_daemon_killed_while_writing_a_whole_file_loses_nothing(s3_server, buc
                 header.verify(0, memoryview(path.read_bytes()))
             finally:
                 os.close(fd)
+
+
+def wait_cached(mnt, blocks: int) -> None:
+    deadline = time.monotonic() + 20
+    while mnt.status()["tiers"]["disk"]["blocks"] < blocks:
+        assert time.monotonic() < deadline, "the fill never reached the disk tier"
+        time.sleep(0.05)
+
+
+def test_a_read_only_mount_of_a_changing_bucket_gives_each_version_its_own_inode(s3_server, bucket, mount_factory):
+    """--read-only (objects may change): a file handed to the kernel keeps its version while it is
+    open; once the store holds a new version (after the metadata TTL), the path names a new inode,
+    new opens read the new bytes (handed over in turn once cached) and the old handle the old."""
+    client = s3_client(s3_server.endpoint_url)
+    old, new = b"old version " * 500, b"the new version " * 700
+    put_tree(client, bucket, "ds", {"f.bin": old})
+    port = free_port()
+    mnt = mount(mount_factory, f"s3://{bucket}/ds", ("--endpoint-url", s3_server.endpoint_url), port,
+                "--read-only", "--metadata-ttl", "1")
+    assert (mnt / "f.bin").read_bytes() == old                        # cold: cached as an exact file
+    wait_cached(mnt, 1)
+    held = open(mnt / "f.bin", "rb")
+    try:
+        assert held.read() == old
+        assert metrics(port).get("cachefs_passthrough_opens_total") == 1, metrics(port)
+        first_inode = os.fstat(held.fileno()).st_ino
+        client.put_object(Bucket=bucket, Key="ds/f.bin", Body=new)
+        time.sleep(1.5)
+        assert (mnt / "f.bin").read_bytes() == new                    # the new version, fetched
+        assert (mnt / "f.bin").stat().st_ino != first_inode
+        wait_cached(mnt, 2)
+        with open(mnt / "f.bin", "rb") as again:                      # cached now: handed over
+            assert again.read() == new
+        assert metrics(port)["cachefs_passthrough_opens_total"] == 2
+        held.seek(0)
+        assert held.read() == old                                     # the old handle keeps its version
+        assert os.fstat(held.fileno()).st_size == len(old)
+    finally:
+        held.close()
+    assert (mnt / "f.bin").read_bytes() == new
