@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,9 @@ class ListingSnapshot:
         name = hashlib.blake2b(store_identity.encode(), digest_size=12).hexdigest()
         self.path = meta / f"listing-{name}.sqlite"
         self._unlinked = False
+        # the mount's own changes of late, per saved directory: (when, sql, args), laid again over a
+        # listing that began before them (``save``)
+        self._recent: dict[str, list[tuple[float, str, tuple]]] = {}
         self._db = self._open()
 
     def _open(self) -> sqlite3.Connection:
@@ -89,6 +93,12 @@ class ListingSnapshot:
                 self._db.execute("DELETE FROM entries WHERE dir = ?", (dir_path,))
                 self._db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)", rows)
                 self._db.execute("INSERT OR REPLACE INTO dirs VALUES (?, ?)", (dir_path, listed_at))
+                # A LIST that began before one of the mount's own changes may not show it (an upload
+                # that ended meanwhile, a delete): the change is laid again over what it saved, or a
+                # remount would hide the upload or bring the deleted file back.
+                for when, sql, args in self._recent.get(dir_path, ()):
+                    if when >= listed_at - _CHANGE_SLACK:
+                        self._db.execute(sql, args)
         except sqlite3.DatabaseError as exc:
             log.info("listing snapshot write failed for %r: %s", dir_path, exc)
 
@@ -110,20 +120,20 @@ class ListingSnapshot:
         once the tombstone is journaled)."""
         dir_path, name = _parent(path)
         if info is None:
-            self._change("DELETE FROM entries WHERE dir = ? AND name = ?", (dir_path, name))
+            self._own_change(dir_path, "DELETE FROM entries WHERE dir = ? AND name = ?", (dir_path, name))
         else:
-            self._change("INSERT OR REPLACE INTO entries SELECT ?, ?, 0, ?, ?, ? WHERE EXISTS "
-                         "(SELECT 1 FROM dirs WHERE path = ?)",
-                         (dir_path, name, info.size, info.mtime, info.etag, dir_path))
+            self._own_change(dir_path, "INSERT OR REPLACE INTO entries SELECT ?, ?, 0, ?, ?, ? WHERE EXISTS "
+                             "(SELECT 1 FROM dirs WHERE path = ?)",
+                             (dir_path, name, info.size, info.mtime, info.etag, dir_path))
 
     def dir_changed(self, path: str, present: bool) -> None:
         """The mount made (journaled) the directory ``path`` or removed it (with its listing)."""
         dir_path, name = _parent(path)
         if present:
-            self._change("INSERT OR REPLACE INTO entries SELECT ?, ?, 1, 0, 0.0, '' WHERE EXISTS "
-                         "(SELECT 1 FROM dirs WHERE path = ?)", (dir_path, name, dir_path))
+            self._own_change(dir_path, "INSERT OR REPLACE INTO entries SELECT ?, ?, 1, 0, 0.0, '' WHERE EXISTS "
+                             "(SELECT 1 FROM dirs WHERE path = ?)", (dir_path, name, dir_path))
             return
-        self._change("DELETE FROM entries WHERE dir = ? AND name = ?", (dir_path, name))
+        self._own_change(dir_path, "DELETE FROM entries WHERE dir = ? AND name = ?", (dir_path, name))
         self._change("DELETE FROM entries WHERE dir = ?", (path + "/",))
         self._change("DELETE FROM dirs WHERE path = ?", (path + "/",))
 
@@ -164,6 +174,15 @@ class ListingSnapshot:
                 os.close(fd)
             self._unlinked = False
 
+    def _own_change(self, dir_path: str, sql: str, args: tuple) -> None:
+        """``_change``, remembered for a while as a change of ``dir_path``'s entries (``save``)."""
+        now = time.time()
+        recent = self._recent.setdefault(dir_path, [])
+        recent.append((now, sql, args))
+        if len(recent) > _CHANGES_KEPT or recent[0][0] < now - _CHANGE_MEMORY:
+            recent[:] = [change for change in recent if change[0] >= now - _CHANGE_MEMORY][-_CHANGES_KEPT:]
+        self._change(sql, args)
+
     def _change(self, sql: str, args: tuple) -> None:
         try:
             self._db.execute(sql, args)
@@ -197,6 +216,11 @@ class ListingSnapshot:
 
     def close(self) -> None:
         self._db.close()
+
+
+_CHANGE_SLACK = 1.0       # seconds: a change this much before a LIST began is laid over it too
+_CHANGE_MEMORY = 600.0    # seconds a change is remembered for listings that began before it
+_CHANGES_KEPT = 4096      # changes remembered per directory at most
 
 
 def _parent(path: str) -> tuple[str, str]:

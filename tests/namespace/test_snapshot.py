@@ -80,3 +80,22 @@ def test_listed_at_says_when_a_listing_was_saved_without_reading_it(tmp_path):
     assert snapshot.listed_at("") is None and snapshot.listed_at("other/") is None
     snapshot._db.close()                              # a broken database: no timestamp, no traceback
     assert snapshot.listed_at("logs/") is None
+
+
+def test_a_listing_that_began_before_the_mounts_own_change_does_not_undo_it(tmp_path):
+    """A LIST that started before an upload ended (or a delete) is saved after it: the change is
+    laid over it again, so a remount neither hides the upload nor brings the deleted file back
+    (seen once as ENOENT for an uploaded file after a CSI volume's processes were killed)."""
+    import time
+    snapshot = saved_logs(tmp_path)
+    began = time.time()
+    snapshot.file_changed("logs/new.log", ObjectInfo("logs/new.log", 5, 2.0, "etag-new"))
+    snapshot.file_changed("logs/L3.log", None)
+    stale = Listing()                                  # what the LIST saw: L3 still there, new.log not yet
+    stale.files.append(ObjectInfo("logs/L3.log", 10, 1.0, "etag-1"))
+    snapshot.save("logs/", stale, listed_at=began)
+    assert names(snapshot, "logs/") == ["logs/new.log"]
+    later = Listing()                                  # a LIST that began after both: taken as it is
+    later.files.append(ObjectInfo("logs/other.log", 3, 3.0, "etag-o"))
+    snapshot.save("logs/", later, listed_at=time.time() + 5)
+    assert names(snapshot, "logs/") == ["logs/other.log"]
