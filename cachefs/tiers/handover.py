@@ -83,39 +83,38 @@ class HandOver:
         if not self.enabled or not self.disk.contains(key):
             return None
         digest = key.digest()
-        if digest not in self._verified:
-            if key.index == WHOLE:
-                if not await self._verify_whole(key, size):
-                    return None
-            else:
-                data = await self.disk.read_async(key, 0, size)
-                if data is None or len(data) != size:
-                    self.metrics.scrub_files.labels("corrupt" if not self.disk.contains(key) else "ok").inc()
-                    return None
-                self.metrics.scrub_files.labels("ok").inc()
+        if digest not in self._verified and key.index != WHOLE:
+            data = await self.disk.read_async(key, 0, size)
+            if data is None or len(data) != size:
+                self.metrics.scrub_files.labels("corrupt" if not self.disk.contains(key) else "ok").inc()
+                return None
+            self.metrics.scrub_files.labels("ok").inc()
             self._verified[digest] = time.monotonic()
         got = self._open(key, size)
-        return self._hold(*got, key, size) if got is not None else None
-
-    async def _verify_whole(self, key: BlockKey, size: int) -> bool:
-        """A whole-object file, read and checked chunk by chunk in a worker thread (a large one is
-        never read into memory at once); a corrupt one is dropped and counted."""
-        got = self._open(key, size)
         if got is None:
-            return False
-        fd, header = got
+            return None
+        if digest not in self._verified:
+            # a whole-object file: checked chunk by chunk through the descriptor handed over (a
+            # large one is never read into memory at once)
+            if not await self._checked(digest, *got):
+                os.close(got[0])
+                return None
+            self._verified[digest] = time.monotonic()
+        return self._hold(*got, key, size)
+
+    async def _checked(self, digest: str, fd: int, header: fmt.BlockHeader, rate: float | None = None) -> bool:
+        """``_verify``; a corrupt (or unreadable) file is counted and dropped from the disk tier."""
         try:
-            began = time.monotonic()
-            await self._verify(fd, header)
-            log.debug("verified the whole-object file of %s (%d bytes) in %.3f s", key.path, size,
-                      time.monotonic() - began)
+            await self._verify(fd, header, rate)
             return True
         except (CorruptBlock, OSError) as exc:
-            self.metrics.scrub_files.labels("corrupt").inc()
-            self.disk.drop_corrupt(key.digest(), exc if isinstance(exc, CorruptBlock) else CorruptBlock(str(exc)))
+            self._corrupt(digest, exc)
             return False
-        finally:
-            os.close(fd)
+
+    def _corrupt(self, digest: str, exc: Exception) -> None:
+        self._verified.pop(digest, None)
+        self.metrics.scrub_files.labels("corrupt").inc()
+        self.disk.drop_corrupt(digest, exc if isinstance(exc, CorruptBlock) else CorruptBlock(str(exc)))
 
     def release(self, exact: ExactFile) -> None:
         """The kernel no longer reads ``exact``: it may be evicted again."""
@@ -139,25 +138,19 @@ class HandOver:
                 if digest in self._verified and when <= time.monotonic() - SCRUB_AGE:
                     await self._scrub_one(digest)
 
-    async def _scrub_one(self, digest: str) -> int:
+    async def _scrub_one(self, digest: str) -> None:
         path = self.disk.layout.block_path(digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._verified.pop(digest, None)        # evicted meanwhile
-            return 0
+            return
         try:
             header = fmt.exact_header(fd)
-            if header is None:
-                return 0
-            await self._verify(fd, header, self.scrub_bytes_s)
-            self._verified[digest] = time.monotonic()
-            return header.data_len
-        except (CorruptBlock, OSError) as exc:
-            self._verified.pop(digest, None)
-            self.metrics.scrub_files.labels("corrupt").inc()
-            self.disk.drop_corrupt(digest, exc if isinstance(exc, CorruptBlock) else CorruptBlock(str(exc)))
-            return 0
+            if header is not None and await self._checked(digest, fd, header, self.scrub_bytes_s):
+                self._verified[digest] = time.monotonic()
+        except (CorruptBlock, OSError) as exc:      # the header itself
+            self._corrupt(digest, exc)
         finally:
             os.close(fd)
 

@@ -21,6 +21,10 @@ class BlockKey:
     block_size: int
     index: int
 
+    def at(self, index: int) -> "BlockKey":
+        """The key of block ``index`` (or ``WHOLE``) of the same object version and block size."""
+        return BlockKey(self.store, self.path, self.etag, self.block_size, index)
+
     @property
     def offset(self) -> int:
         return self.index * self.block_size

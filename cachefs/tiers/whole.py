@@ -29,7 +29,7 @@ _REMEMBERED = 4096     # objects whose first missing block is remembered
 
 def whole_key(key: BlockKey) -> BlockKey:
     """The key of the whole-object file of ``key``'s object (the same version and block size)."""
-    return BlockKey(key.store, key.path, key.etag, key.block_size, WHOLE)
+    return key.at(WHOLE)
 
 
 class WholeFiles:
@@ -67,7 +67,7 @@ class WholeFiles:
             return
         count = -(-size // whole.block_size)
         for index in range(self._missing_from.pop(whole, 0), count):
-            key = BlockKey(whole.store, whole.path, whole.etag, whole.block_size, index)
+            key = whole.at(index)
             if not (self.disk.contains(key) or self.disk.filling(key)):
                 if len(self._missing_from) >= _REMEMBERED:
                     self._missing_from.clear()
@@ -76,7 +76,7 @@ class WholeFiles:
         nursery.start_soon(self._assemble, whole, size, count)
 
     async def _assemble(self, whole: BlockKey, size: int, count: int) -> None:
-        blocks = [BlockKey(whole.store, whole.path, whole.etag, whole.block_size, i) for i in range(count)]
+        blocks = [whole.at(i) for i in range(count)]
         for key in blocks:
             await self.disk.wait_fill(key)
         await self.disk.assemble(whole, blocks, size)
