@@ -117,10 +117,10 @@ class MountConfig:
     read_timeout: float = field(default=30.0, metadata={"help": "seconds to wait for store data"})
     max_attempts: int = field(default=5, metadata={"help": "tries per store request (5xx, throttling)"})
     lean_requests: bool = field(default=True, metadata={
-        "help": "S3 GETs run as trio tasks on a small keep-alive HTTP/1.1 client with SigV4 (no worker "
-                "thread per GET); LIST pages, PUTs and UploadParts are signed with SigV4 and sent with "
-                "urllib3. All skip botocore's request/response machinery; --no-lean-requests uses plain "
-                "boto3 in worker threads"})
+        "help": "S3 GETs run as trio tasks on a small keep-alive HTTP/1.1 client (no worker thread per "
+                "GET); --no-lean-requests sends them from worker threads with urllib3, as every other "
+                "request is sent. Every request is signed by cachefs's own SigV4; botocore only finds "
+                "the credentials"})
     fsync_cache_files: bool = field(default=True, metadata={
         "help": "fsync disk-tier files before renaming them into place"})
     cache_direct_io: bool = field(default=True, metadata={

@@ -199,8 +199,8 @@ class Daemon:
 def serve(cfg: MountConfig, on_ready: Callable[[], None], link: Link | None = None) -> int:
     """Preflight, mount (or take over, ``link``), serve until unmounted. Raises CachefsError
     before ``on_ready``. Returns 0, or ``HANDOVER`` when the mount went to a successor.
-    Under a keeper, what needs no lock and no network (the store's client: ~0.1-0.2 s of
-    botocore) is built before waiting for the keeper's word, so a standby takes over at once."""
+    Under a keeper, what needs no lock and no network (the store and its credentials) is built
+    before waiting for the keeper's word, so a standby takes over at once."""
     # Worker threads (disk reads, HTTP) hand results back to the busy trio thread: with the
     # default 5 ms GIL switch interval each waits up to 5 ms for it (a convoy); 0.2 ms keeps
     # a cold disk-tier read near its I/O time.

@@ -30,13 +30,13 @@ class ControllerService(rpc.ControllerServicer):
         mount_values(context_attrs)                  # unknown or malformed attributes -> INVALID_ARGUMENT
         capacity = _capacity(request.capacity_range)
         record = {"name": request.name, "capacity": capacity, "parameters": params}
-        buckets = dynamic.Buckets(volume, dict(request.secrets))
-        existing = buckets.read_record()
-        if existing is not None and existing != record:
-            raise already_exists(f"volume {request.name} exists with another capacity or parameters")
-        if existing is None:
-            buckets.write_record(record)
-            log.info("created volume %s at %s", request.name, volume.url)
+        with dynamic.Buckets(volume, dict(request.secrets)) as buckets:
+            existing = buckets.read_record()
+            if existing is not None and existing != record:
+                raise already_exists(f"volume {request.name} exists with another capacity or parameters")
+            if existing is None:
+                buckets.write_record(record)
+                log.info("created volume %s at %s", request.name, volume.url)
         return pb.CreateVolumeResponse(volume=pb.Volume(volume_id=volume.volume_id, capacity_bytes=capacity,
                                                         volume_context=context_attrs))
 
@@ -46,7 +46,8 @@ class ControllerService(rpc.ControllerServicer):
         volume = dynamic.from_id(request.volume_id)
         if volume is None:
             return pb.DeleteVolumeResponse()          # not ours, or already gone: nothing to delete
-        dynamic.Buckets(volume, dict(request.secrets)).delete(data=volume.on_delete == "delete")
+        with dynamic.Buckets(volume, dict(request.secrets)) as buckets:
+            buckets.delete(data=volume.on_delete == "delete")
         log.info("deleted volume %s (%s)", volume.name, "data deleted" if volume.on_delete == "delete" else "data kept")
         return pb.DeleteVolumeResponse()
 
@@ -58,8 +59,9 @@ class ControllerService(rpc.ControllerServicer):
         attrs = dict(request.volume_context)
         volume = dynamic.from_id(request.volume_id)
         if volume is not None:
-            if dynamic.Buckets(volume, dict(request.secrets)).read_record() is None:
-                raise not_found(f"volume {request.volume_id} does not exist")
+            with dynamic.Buckets(volume, dict(request.secrets)) as buckets:
+                if buckets.read_record() is None:
+                    raise not_found(f"volume {request.volume_id} does not exist")
             attrs = {**volume.context(), **attrs}
         elif "url" not in attrs:
             raise not_found(f"volume {request.volume_id} is not a cachefs volume (no url attribute)")

@@ -85,55 +85,58 @@ def from_id(volume_id: str) -> DynamicVolume | None:
 
 
 class Buckets:
-    """The few S3 calls the controller makes (boto3; credentials from the request's secrets, or the
-    standard chain when there are none)."""
+    """The few S3 calls the controller makes, through cachefs's S3 store (credentials from the
+    request's secrets, or the standard chain when there are none)."""
 
     def __init__(self, volume: DynamicVolume, secrets: dict[str, str]) -> None:
-        import boto3
-        from botocore.config import Config
+        from botocore.credentials import Credentials
 
+        from cachefs.metrics import Metrics
+        from cachefs.store.s3.store import S3Options, S3Store
         from csi.attributes import SECRET_ENV
-        names = {"AWS_ACCESS_KEY_ID": "aws_access_key_id", "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
-                 "AWS_SESSION_TOKEN": "aws_session_token"}
-        creds = {names[SECRET_ENV[k]]: v for k, v in secrets.items() if k in SECRET_ENV and v}
+        given = {SECRET_ENV[k]: v for k, v in secrets.items() if k in SECRET_ENV and v}
+        credentials = None
+        if given.get("AWS_ACCESS_KEY_ID") and given.get("AWS_SECRET_ACCESS_KEY"):
+            credentials = Credentials(given["AWS_ACCESS_KEY_ID"], given["AWS_SECRET_ACCESS_KEY"],
+                                      given.get("AWS_SESSION_TOKEN"))
         self.volume = volume
-        self.client = boto3.client("s3", endpoint_url=volume.endpoint or None,
-                                   region_name=volume.region or "us-east-1", **creds,
-                                   config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 3},
-                                                 connect_timeout=5, read_timeout=30))
+        options = S3Options(endpoint_url=volume.endpoint or None, region=volume.region or "us-east-1",
+                            max_connections=4, connect_timeout=5, read_timeout=30, max_attempts=3,
+                            lean_requests=False)
+        self.store = S3Store(volume.bucket, "", metrics=Metrics(), options=options, credentials=credentials)
 
     def read_record(self) -> dict | None:
+        key = self.volume.record_key
         try:
-            body = self._call("get_object", Bucket=self.volume.bucket, Key=self.volume.record_key)["Body"].read()
+            info = self._call(self.store.head, key)
+            body = self._call(self.store.get, key, 0, info.size, info.etag, info.size)
         except _Missing:
             return None
         return json.loads(body)
 
     def write_record(self, record: dict) -> None:
-        self._call("put_object", Bucket=self.volume.bucket, Key=self.volume.record_key,
-                   Body=json.dumps(record).encode())
+        self._call(self.store.put, self.volume.record_key, json.dumps(record).encode())
 
     def delete(self, data: bool) -> None:
         """Drop the record, and with ``data`` every object under the volume's prefix."""
         if data:
-            paginator = self.client.get_paginator("list_objects_v2")
             try:
-                for page in paginator.paginate(Bucket=self.volume.bucket, Prefix=self.volume.prefix + "/"):
-                    keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-                    if keys:
-                        self._call("delete_objects", Bucket=self.volume.bucket, Delete={"Objects": keys})
+                keys = self._call(lambda: [info.path for info in self.store.list_all(self.volume.prefix + "/")])
+                self._call(self.store.delete_many, keys)
             except _Missing:
                 pass
-            except Exception as exc:
-                raise _status(exc) from None
-        try:
-            self._call("delete_object", Bucket=self.volume.bucket, Key=self.volume.record_key)
-        except _Missing:
-            pass
+        self._call(self.store.delete, self.volume.record_key)
 
-    def _call(self, method: str, **kwargs):
+    def __enter__(self) -> "Buckets":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.store.close()
+
+    @staticmethod
+    def _call(method, *args):
         try:
-            return getattr(self.client, method)(**kwargs)
+            return method(*args)
         except Exception as exc:
             raise _status(exc) from None
 
@@ -143,13 +146,15 @@ class _Missing(CsiError):
 
 
 def _status(exc: Exception) -> CsiError:
+    from cachefs.errors import AccessDenied, CachefsError, NoSuchBucket, NoSuchKey
     if isinstance(exc, CsiError):
         return exc
-    code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
-    if code in ("NoSuchKey", "404"):
-        return _Missing("NOT_FOUND", "no such object")
-    if code == "NoSuchBucket":
+    if isinstance(exc, NoSuchBucket):
         return CsiError("FAILED_PRECONDITION", "the StorageClass bucket does not exist")
-    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-        return CsiError("PERMISSION_DENIED", f"the object store refused the credentials ({code})")
-    return CsiError("UNAVAILABLE", f"object store error: {code or type(exc).__name__}")
+    if isinstance(exc, NoSuchKey):
+        return _Missing("NOT_FOUND", "no such object")
+    if isinstance(exc, AccessDenied):
+        return CsiError("PERMISSION_DENIED", f"the object store refused the credentials ({exc})")
+    if isinstance(exc, CachefsError):
+        return CsiError("UNAVAILABLE", f"object store error: {exc}")
+    return CsiError("UNAVAILABLE", f"object store error: {type(exc).__name__}")

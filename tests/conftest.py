@@ -79,3 +79,17 @@ def checkout_reachable_by_other_users():
     assert not closed, (f"{closed[-1]} is not traversable by other users (mode "
                         f"{oct(os.stat(closed[-1]).st_mode & 0o777)}): these tests run cachefs as uid 65534 "
                         f"and 1234 from this checkout; clone it under a directory others can traverse")
+
+
+@pytest.fixture
+def scripted():
+    """Start ``scripted_http.ScriptedServer``s on loopback; all closed at the end of the test."""
+    from scripted_http import ScriptedServer
+    servers = []
+
+    def start(script, tls=None) -> ScriptedServer:
+        servers.append(ScriptedServer(script, tls))
+        return servers[-1]
+    yield start
+    for server in servers:
+        server.close()

@@ -272,13 +272,18 @@ class Tiers:
         """``f`` may be all in the disk tier (a warm of it ended, a reader that read its end
         closed it): a large object is then written as one whole-object file in the background,
         so the next open hands it to the kernel."""
-        if self.handover.enabled and f.size >= self.block_size:
-            self._assemble_soon(f, self.key(f, WHOLE))
+        if (whole := self._whole_key(f)) is not None:
+            self._assemble_soon(f, whole)
 
     def _exact_key(self, f: FileVersion) -> BlockKey | None:
         if not self.handover.enabled or f.size <= 0:
             return None
-        return self.key(f, 0) if f.size < self.block_size else self.key(f, WHOLE)
+        return self.key(f, 0) if f.size < self.block_size else self._whole_key(f)
+
+    def _whole_key(self, f: FileVersion) -> BlockKey | None:
+        """The key of ``f``'s whole-object file where it has one (a large object, on a mount whose
+        kernel takes cache files), else None."""
+        return self.key(f, WHOLE) if self.handover.enabled and f.size >= self.block_size else None
 
     def _assemble_soon(self, f: FileVersion, whole: BlockKey) -> None:
         if self._nursery is not None:
@@ -523,8 +528,8 @@ class Tiers:
         """Keep the blocks of ``f`` in the disk tier from eviction until ``release(held)``;
         ``held`` records them (a block already in it is not held twice)."""
         keys = list(self.keys(f))
-        if self.handover.enabled and f.size >= self.block_size:
-            keys.append(self.key(f, WHOLE))          # its whole-object file, there or to come
+        if (whole := self._whole_key(f)) is not None:
+            keys.append(whole)                       # its whole-object file, there or to come
         for key in keys:
             digest = key.digest()
             if digest not in held:

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -159,13 +160,17 @@ def test_dynamic_volume_idempotent_and_deleted(driver, s3_server, bucket):
     assert first == again and first.volume_context["url"] == f"s3://{bucket}/vols/pvc-1"
     request.capacity_range.required_bytes = 2 << 30
     assert call_code(driver.controller.CreateVolume, request)[0] == CODE.ALREADY_EXISTS
+    with ThreadPoolExecutor(8) as pool:      # more than one DeleteObjects request (1,000 keys each)
+        list(pool.map(lambda n: client.put_object(Bucket=bucket, Key=f"vols/pvc-1/d/{n}.txt", Body=b"a"),
+                      range(1003)))
     client.put_object(Bucket=bucket, Key="vols/pvc-1/a.txt", Body=b"a")
+    client.put_object(Bucket=bucket, Key="vols/pvc-10/kept.txt", Body=b"k")     # another volume's prefix
     confirmed = driver.controller.ValidateVolumeCapabilities(pb.ValidateVolumeCapabilitiesRequest(
         volume_id=first.volume_id, volume_capabilities=[capability(MODE.MULTI_NODE_MULTI_WRITER)], secrets=SECRETS))
     assert confirmed.confirmed.volume_capabilities
     driver.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=first.volume_id, secrets=SECRETS))
-    driver.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=first.volume_id, secrets=SECRETS))
-    assert client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+    listed = client.list_objects_v2(Bucket=bucket)
+    assert [o["Key"] for o in listed.get("Contents", [])] == ["vols/pvc-10/kept.txt"]
 
 
 def test_read_only_volume_refuses_writer_modes(driver, s3_server, bucket):

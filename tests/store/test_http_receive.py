@@ -84,7 +84,7 @@ def test_a_large_body_arrives_intact_off_the_trio_thread_and_the_connection_is_r
         with trio.fail_after(10):
             for _ in range(2):
                 response, body = await getter.get("bucket", "key", {})
-                assert body == BODY and response["ResponseMetadata"]["HTTPStatusCode"] == 200
+                assert body == BODY and response.status == 200
         assert state["connections"] == 1                     # kept alive, reused
     run_server(handler, client)
     assert len(seen["threads"]) == 2

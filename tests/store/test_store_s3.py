@@ -1,17 +1,18 @@
-"""S3Store against moto's server on loopback, plus its error mapping and GET checks in isolation."""
+"""S3Store against moto's server on loopback, against a scripted HTTP server for answers moto never
+gives, plus its error mapping in isolation."""
 
-import io
 import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ResponseStreamingError
+from botocore.exceptions import EndpointConnectionError
 
 from cachefs.errors import AccessDenied, BadResponse, NoSuchBucket, NoSuchKey, StoreError, Unreachable, VersionChanged
 from cachefs.metrics import Metrics
-from cachefs.store.s3.answer import ShortBody
+from cachefs.store.s3.answer import S3Error, ShortBody
+from cachefs.store.s3.sigv4 import NoCredentials
 from cachefs.store.s3.store import S3Options, S3Store, is_temp_failure, map_error
 from testing.s3 import free_port, s3_client
 
@@ -28,9 +29,9 @@ def metrics():
     return Metrics()
 
 
-@pytest.fixture(params=[True, False], ids=["lean-requests", "boto3-get"])
+@pytest.fixture(params=[True, False], ids=["trio-get", "threaded-get"])
 def make_store(s3_server, metrics, request):
-    """Stores on the moto server, once with the lean GET path (requests) and once with boto3's."""
+    """Stores on the moto server, once with GETs as trio tasks and once from worker threads."""
     stores = []
 
     def make(bucket: str, prefix: str = "", **options) -> S3Store:
@@ -109,10 +110,9 @@ def test_list_tree_stops_at_its_limit_and_yields_only_complete_directories(big_b
 def test_list_tree_refuses_keys_out_of_order(make_store, bucket):
     """Completeness rests on sorted keys: a server that breaks the order is an error, not a listing
     that silently misses files."""
-    import datetime
+    from cachefs.store.s3.requests import Listed, Page
     store = make_store(bucket)
-    now = datetime.datetime.now(datetime.UTC)
-    page = {"Contents": [{"Key": k, "Size": 1, "ETag": '"e"', "LastModified": now} for k in ("b/x", "a/y")]}
+    page = Page([Listed(k, 1, time.time(), "e") for k in ("b/x", "a/y")])
     store._pages = lambda full, delimiter: iter([page])
     with pytest.raises(BadResponse, match="out of order"):
         dict(store.list_tree("", 100))
@@ -123,24 +123,25 @@ ODD_KEYS = ["odd/a b.jpg", "odd/plus+sign", "odd/100%.txt", "odd/été/ünï.bin
 
 
 def test_listing_keeps_odd_keys_exact_and_same_as_boto3(s3_server, client, bucket, metrics):
-    """The lean ListObjectsV2 path (URL-encoded keys, ElementTree, fromisoformat) gives what
-    boto3's does, field by field, for keys with spaces, '+', '%', non-ASCII and XML specials."""
+    """Our ListObjectsV2 (URL-encoded keys, ElementTree, fromisoformat) gives what boto3's gives
+    (the reference), field by field, for keys with spaces, '+', '%', non-ASCII and XML specials."""
     put_many(client, bucket, ODD_KEYS, b"12345")
-    lean = S3Store(bucket, "", metrics=metrics, options=S3Options(endpoint_url=s3_server.endpoint_url))
-    plain = S3Store(bucket, "", metrics=Metrics(),
-                    options=S3Options(endpoint_url=s3_server.endpoint_url, lean_requests=False))
+    store = S3Store(bucket, "", metrics=metrics, options=S3Options(endpoint_url=s3_server.endpoint_url))
     try:
-        assert lean._requests is not None and plain._requests is None
-        assert sorted(lean.list_all("odd/"), key=str) == sorted(plain.list_all("odd/"), key=str)
-        assert sorted(i.path for i in lean.list_all("odd/")) == sorted(ODD_KEYS)
-        assert lean.list_dir("odd/") == plain.list_dir("odd/")
-        assert sorted(lean.list_dir("odd/").dirs) == ["sub dir", "été"]
-        info = lean.list_dir("odd/").files[0]
+        reference = client.list_objects_v2(Bucket=bucket, Prefix="odd/")["Contents"]
+        expected = sorted((o["Key"], o["Size"], o["ETag"].strip('"'), o["LastModified"].timestamp())
+                          for o in reference)
+        assert sorted((i.path, i.size, i.etag, i.mtime) for i in store.list_all("odd/")) == expected
+        assert sorted(i.path for i in store.list_all("odd/")) == sorted(ODD_KEYS)
+        assert sorted(store.list_dir("odd/").dirs) == ["sub dir", "été"]
+        info = store.list_dir("odd/").files[0]
         assert info.size == 5 and len(info.etag) == 32 and abs(info.mtime - time.time()) < 600
-        assert lean.list_dir("odd/sub dir/").files[0].path == "odd/sub dir/x"
+        assert store.list_dir("odd/sub dir/").files[0].path == "odd/sub dir/x"
+        head = client.head_object(Bucket=bucket, Key=ODD_KEYS[0])
+        assert store.head(ODD_KEYS[0]) == type(info)(path=ODD_KEYS[0], size=5, etag=head["ETag"].strip('"'),
+                                                      mtime=head["LastModified"].timestamp())
     finally:
-        lean.close()
-        plain.close()
+        store.close()
 
 
 def test_list_page_parser_reads_s3_xml_without_encoding():
@@ -153,12 +154,12 @@ def test_list_page_parser_reads_s3_xml_without_encoding():
 <ETag>&quot;d41d8cd98f00b204e9800998ecf8427e&quot;</ETag><Size>0</Size><StorageClass>STANDARD</StorageClass></Contents>
 <CommonPrefixes><Prefix>p/sub/</Prefix></CommonPrefixes></ListBucketResult>"""
     page = parse_list_page(body)
-    assert page["IsTruncated"] is True and page["NextContinuationToken"].endswith("bOwM=")
-    [obj] = page["Contents"]
-    assert obj["Key"] == "p/a+b & c"            # no EncodingType: taken as it is, '+' kept
-    assert obj["ETag"] == '"d41d8cd98f00b204e9800998ecf8427e"' and obj["Size"] == 0
-    assert obj["LastModified"].timestamp() == 1795338001.0
-    assert page["CommonPrefixes"] == [{"Prefix": "p/sub/"}]
+    assert page.truncated is True and page.token.endswith("bOwM=")
+    [obj] = page.objects
+    assert obj.key == "p/a+b & c"            # no EncodingType: taken as it is, '+' kept
+    assert obj.etag == "d41d8cd98f00b204e9800998ecf8427e" and obj.size == 0
+    assert obj.mtime == 1795338001.0
+    assert page.prefixes == ["p/sub/"]
 
 
 def test_a_malformed_list_answer_is_an_error_not_an_empty_directory():
@@ -277,132 +278,207 @@ def test_identity_names_endpoint_bucket_and_prefix(s3_server, make_store):
     assert S3Store("b1", "", metrics=Metrics()).identity == "s3|aws|b1|"
 
 
-# --- retries and GET checks with a faked client ----------------------------------------------------
+# --- retries and GET checks from worker threads, against a scripted server ---------------------
 
-def client_error(code: str, status: int, op: str = "GetObject") -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, op)
-
-
-def answer(body: bytes, status: int = 206, etag: str = "e1", content_range: str | None = None) -> dict:
-    response = {"ResponseMetadata": {"HTTPStatusCode": status}, "ETag": f'"{etag}"', "Body": io.BytesIO(body)}
-    if content_range:
-        response["ContentRange"] = content_range
-    return response
+def reply(status: str, body: bytes = b"", *headers: str) -> bytes:
+    head = [f"HTTP/1.1 {status}", f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-class FakeGet:
-    """Stands in for client.get_object: plays back answers (dicts) or raises errors, in turn."""
+def partial(body: bytes, start: int, size: int, etag: str = "e1") -> bytes:
+    return reply("206 Partial Content", body, f"Content-Range: bytes {start}-{start + len(body) - 1}/{size}",
+                 f'ETag: "{etag}"')
 
-    def __init__(self, *outcomes) -> None:
-        self.outcomes = list(outcomes)
-        self.calls: list[dict] = []
 
-    def __call__(self, **kwargs) -> dict:
-        self.calls.append(kwargs)
-        outcome = self.outcomes.pop(0)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+def s3_error(status: str, code: str) -> bytes:
+    return reply(status, f"<Error><Code>{code}</Code><Message>m</Message></Error>".encode())
+
+
+def turns(*answers: bytes):
+    """A script answering the n-th request with the n-th answer (the last one again after that)."""
+    seen = []
+
+    def script(conn: int, request: bytes) -> bytes:
+        seen.append(request)
+        return answers[min(len(seen), len(answers)) - 1]
+    return script
 
 
 @pytest.fixture
-def fake_store(metrics):
-    # these tests stub the boto3 client's get_object: the botocore GET path
-    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url="http://127.0.0.1:9", lean_requests=False))
-    yield store
-    store.close()
+def threaded_store(scripted, metrics):
+    """(store, server): GETs from worker threads, every request to a scripted server."""
+    made = []
+
+    def make(script, **options) -> tuple[S3Store, object]:
+        server = scripted(script)
+        store = S3Store("bkt", "", metrics=metrics, options=S3Options(
+            endpoint_url=f"http://127.0.0.1:{server.port}", lean_requests=False, **options))
+        made.append(store)
+        return store, server
+    yield make
+    for store in made:
+        store.close()
 
 
-def test_get_sends_if_match_and_range(fake_store):
-    fake_store._client.get_object = fake = FakeGet(answer(b"abc", content_range="bytes 10-12/100"))
-    assert fake_store.get("k", 10, 13, "e1", 100) == b"abc"
-    assert fake.calls == [{"Bucket": "bkt", "Key": "k", "IfMatch": '"e1"', "Range": "bytes=10-12"}]
+def test_get_sends_if_match_and_range(threaded_store):
+    store, server = threaded_store(turns(partial(b"abc", 10, 100)))
+    assert store.get("k", 10, 13, "e1", 100) == b"abc"
+    [request] = server.requests
+    assert request.startswith(b"GET /bkt/k HTTP/1.1") and b'If-Match: "e1"' in request
+    assert b"Range: bytes=10-12" in request and b"Authorization: AWS4-HMAC-SHA256" in request
 
 
-def test_get_retries_503_and_a_reset_mid_body(fake_store, metrics):
-    reset = answer(b"")
-    reset["Body"] = BrokenBody()
-    fake_store._client.get_object = fake = FakeGet(
-        client_error("SlowDown", 503), reset, answer(b"abc", content_range="bytes 0-2/100"))
-    assert fake_store.get("k", 0, 3, "e1", 100) == b"abc"
-    assert len(fake.calls) == 3
+def test_get_retries_503_and_a_reset_mid_body(threaded_store, metrics):
+    cut = partial(b"abc", 0, 100)[:-2] + b"<close>"      # the body ends after one byte
+    store, server = threaded_store(turns(s3_error("503 Slow Down", "SlowDown"), cut, partial(b"abc", 0, 100)))
+    assert store.get("k", 0, 3, "e1", 100) == b"abc"
+    assert len(server.requests) == 3
     assert requests(metrics, "get", "503") == 1
     assert requests(metrics, "get", "error") == 1
     assert metrics.counter_value("cachefs_store_retries_total", op="get") == 2
 
 
-class BrokenBody(io.BytesIO):
-    def read(self, *args):
-        raise ResponseStreamingError(error="connection reset by peer")
-
-
-@pytest.mark.allow_warnings
-def test_server_ignoring_range_is_sliced(fake_store, metrics, caplog):
-    fake_store._client.get_object = FakeGet(*(answer(b"0123456789", status=200) for _ in range(2)))
-    assert fake_store.get("k", 2, 5, "e1", 10) == b"234"
-    assert fake_store.get("k", 5, 9, "e1", 10) == b"5678"
-    assert metrics.counter_value("cachefs_store_range_fallbacks_total", kind="whole_object") == 2
-    assert [r.levelname for r in caplog.records] == ["WARNING"]           # once per store
-
-
-class CountingBody(io.BytesIO):
-    def __init__(self, data: bytes) -> None:
-        super().__init__(data)
-        self.taken = 0
-
-    def read(self, size=-1):
-        data = super().read(size)
-        self.taken += len(data)
-        return data
-
-
-@pytest.mark.allow_warnings
-def test_boto3_path_reads_a_whole_big_object_only_up_to_the_range(fake_store, metrics, monkeypatch):
-    import cachefs.store.s3.answer
-    monkeypatch.setattr(cachefs.store.s3.answer, "MAX_WASTE", 100)
-    data = bytes(range(256)) * 40
-    response = answer(b"", status=200)
-    response["Body"] = body = CountingBody(data)
-    response["ContentLength"] = len(data)
-    fake_store._client.get_object = FakeGet(response)
-    assert fake_store.get("k", 1000, 1500, "e1", len(data)) == data[1000:1500]
-    assert body.taken == 1500 and body.closed
-    assert metrics.counter_value("cachefs_store_range_fallbacks_total", kind="whole_object") == 1
-
-
 @pytest.mark.parametrize("etag", ['e1"\r\nX-Injected: 1', "e1\n", "e\x00"])
-def test_an_etag_with_control_characters_never_reaches_the_wire(fake_store, etag):
-    fake_store._client.get_object = fake = FakeGet()
+def test_an_etag_with_control_characters_never_reaches_the_wire(threaded_store, etag):
+    store, server = threaded_store(turns(partial(b"234", 2, 10)))
     with pytest.raises(BadResponse, match="control character"):
-        fake_store.get("k", 2, 5, etag, 10)
-    assert fake.calls == []
+        store.get("k", 2, 5, etag, 10)
+    assert server.requests == []
 
 
-@pytest.mark.parametrize("response, error", [
-    (answer(b"abc", status=200, etag=""), BadResponse),                 # 200 of the length, nothing proves it
-    (answer(b"abc", content_range="bytes 0-2/10"), BadResponse),         # wrong range
-    (answer(b"abc"), BadResponse),                                       # 206 without Content-Range
-    (answer(b"abc", content_range="bytes 2-4/11"), VersionChanged),      # size moved
-    (answer(b"abc", content_range="bytes 2-4/10", etag="e2"), VersionChanged),   # If-Match ignored
+@pytest.mark.parametrize("answer, error", [
+    (reply("200 OK", b"abc"), BadResponse),                                  # 200 of the length, nothing proves it
+    (partial(b"abc", 0, 10), BadResponse),                                   # wrong range
+    (reply("206 Partial Content", b"abc", 'ETag: "e1"'), BadResponse),       # 206 without Content-Range
+    (partial(b"abc", 2, 11), VersionChanged),                                # size moved
+    (partial(b"abc", 2, 10, etag="e2"), VersionChanged),                     # If-Match ignored
 ])
-def test_get_detects_wrong_answers(fake_store, response, error):
-    body = response["Body"].read()           # a wrong range is retried, then refused
-    fake_store._client.get_object = FakeGet(*({**response, "Body": io.BytesIO(body)} for _ in range(5)))
+def test_get_detects_wrong_answers(threaded_store, answer, error):
+    store, _ = threaded_store(turns(answer))          # a wrong range is retried, then refused
     with pytest.raises(error, match="get s3://bkt/k"):
-        fake_store.get("k", 2, 5, "e1", 10)
+        store.get("k", 2, 5, "e1", 10)
 
 
-def test_short_body_is_retried_then_bad_response(fake_store, metrics):
-    fake_store._client.get_object = fake = FakeGet(*(answer(b"ab", content_range="bytes 2-4/10") for _ in range(5)))
+def test_short_body_is_retried_then_bad_response(threaded_store, metrics):
+    short = reply("206 Partial Content", b"ab", "Content-Range: bytes 2-4/10", 'ETag: "e1"')
+    store, server = threaded_store(turns(short))
     with pytest.raises(BadResponse, match="got 2 bytes"):
-        fake_store.get("k", 2, 5, "e1", 10)
-    assert len(fake.calls) == 5
+        store.get("k", 2, 5, "e1", 10)
+    assert len(server.requests) == 5
     assert metrics.counter_value("cachefs_store_retries_total", op="get") == 4
+
+
+# --- every other operation, on the wire --------------------------------------------------------
+
+def test_head_reads_size_etag_and_last_modified(threaded_store, metrics):
+    store, server = threaded_store(turns(b'HTTP/1.1 200 OK\r\nContent-Length: 12\r\nETag: "e7"\r\n'
+                                         b"Last-Modified: Sun, 22 Nov 2026 09:00:01 GMT\r\n\r\n"))
+    info = store.head("a/b c")
+    assert (info.path, info.size, info.etag, info.mtime) == ("a/b c", 12, "e7", 1795338001.0)
+    assert server.requests[0].startswith(b"HEAD /bkt/a/b%20c HTTP/1.1")
+    assert requests(metrics, "head", "200") == 1
+
+
+def test_a_head_without_a_date_is_a_bad_response(threaded_store):
+    store, _ = threaded_store(turns(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n"))
+    with pytest.raises(BadResponse, match="Last-Modified"):
+        store.head("k")
+
+
+def test_a_multipart_upload_on_the_wire_and_a_completion_that_fails_after_its_200(threaded_store, metrics):
+    """CreateMultipartUpload, UploadPart, then CompleteMultipartUpload answered 200 with an
+    InternalError body (S3 sends the status before it has assembled the object): retried, not
+    taken for success; the object's size is checked by a HEAD."""
+    started = reply("200 OK", b"<InitiateMultipartUploadResult><Bucket>bkt</Bucket><Key>k</Key>"
+                    b"<UploadId>up-1</UploadId></InitiateMultipartUploadResult>")
+    part = reply("200 OK", b"", 'ETag: "p1"')
+    failed = reply("200 OK", b'<?xml version="1.0"?>\n<Error><Code>InternalError</Code><Message>retry'
+                   b"</Message></Error>")
+    done = reply("200 OK", b"<CompleteMultipartUploadResult><ETag>&quot;x-1&quot;</ETag>"
+                 b"</CompleteMultipartUploadResult>")
+    head = b'HTTP/1.1 200 OK\r\nContent-Length: 5\r\nETag: "x-1"\r\nLast-Modified: Sun, 22 Nov 2026 09:00:01 GMT\r\n\r\n'
+    store, server = threaded_store(turns(started, part, failed, done, head))
+    upload = store.start_upload("k")
+    assert upload == "up-1"
+    assert store.upload_part("k", upload, 1, b"hello") == "p1"
+    assert store.finish_upload("k", upload, [(1, "p1")], 5).etag == "x-1"
+    first, second, complete, again, _ = server.requests
+    assert first.startswith(b"POST /bkt/k?uploads= HTTP/1.1")
+    assert second.startswith(b"PUT /bkt/k?partNumber=1&uploadId=up-1 HTTP/1.1") and second.endswith(b"hello")
+    assert complete.startswith(b"POST /bkt/k?uploadId=up-1 HTTP/1.1") and complete == again
+    assert b"<Part><PartNumber>1</PartNumber><ETag>\"p1\"</ETag></Part>" in complete
+    assert metrics.counter_value("cachefs_store_retries_total", op="finish_upload") == 1
+
+
+def test_a_copy_that_fails_after_its_200_is_an_error(threaded_store):
+    store, server = threaded_store(turns(reply("200 OK", b"<Error><Code>AccessDenied</Code><Message>no"
+                                               b"</Message></Error>")))
+    with pytest.raises(AccessDenied, match="copy s3://bkt/b"):
+        store.copy("a x", "b")
+    [request] = server.requests
+    assert request.startswith(b"PUT /bkt/b HTTP/1.1") and b"x-amz-copy-source: /bkt/a%20x" in request
+
+
+def test_delete_and_abort_are_deletes_and_missing_is_fine(threaded_store, metrics):
+    store, server = threaded_store(turns(reply("204 No Content"), s3_error("404 Not Found", "NoSuchUpload")))
+    store.delete("k")
+    store.abort_upload("k", "up-1")
+    assert [r.split(b" HTTP")[0] for r in server.requests] == [b"DELETE /bkt/k", b"DELETE /bkt/k?uploadId=up-1"]
+    assert requests(metrics, "delete", "204") == 1 and requests(metrics, "abort_upload", "404") == 1
+
+
+def test_a_bucket_in_another_region_says_which(threaded_store):
+    store, _ = threaded_store(turns(reply("301 Moved Permanently", b"", "x-amz-bucket-region: eu-west-3")))
+    with pytest.raises(AccessDenied, match="region eu-west-3.*--region eu-west-3"):
+        store.check()
+
+
+def test_without_credentials_nothing_is_sent(scripted, metrics, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    server = scripted(turns(reply("200 OK")))
+    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url=f"http://127.0.0.1:{server.port}"))
+    try:
+        with pytest.raises(AccessDenied, match="head_bucket s3://bkt/: no usable credentials"):
+            store.check()
+    finally:
+        store.close()
+    assert server.requests == []
+
+
+def test_a_proxy_from_the_environment_carries_every_request(scripted, metrics, monkeypatch):
+    """HTTP_PROXY is honoured (GETs then run in threads); NO_PROXY too."""
+    proxy = scripted(turns(partial(b"abc", 0, 100), reply("200 OK")))
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    store = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url="http://s3.example.invalid:9000"))
+    try:
+        assert not store.cancellable_gets
+        assert store.get("k", 0, 3, "e1", 100) == b"abc"
+        store.check()
+    finally:
+        store.close()
+    assert [r.split(b"\r\n")[0] for r in proxy.requests] == [
+        b"GET http://s3.example.invalid:9000/bkt/k HTTP/1.1", b"HEAD http://s3.example.invalid:9000/bkt HTTP/1.1"]
+    monkeypatch.setenv("NO_PROXY", "s3.example.invalid")
+    bypass = S3Store("bkt", "", metrics=metrics, options=S3Options(endpoint_url="http://s3.example.invalid:9000"))
+    try:
+        assert bypass.cancellable_gets
+    finally:
+        bypass.close()
 
 
 # --- error mapping (moto accepts any credentials, so denial is tested here) ----------------------------
 
 URL = "s3://bkt/some/key"
+
+
+def client_error(code: str, status: int, op: str = "GetObject") -> S3Error:
+    return S3Error(op, status, code, "m")
 
 
 @pytest.mark.parametrize("code, status, expected", [
@@ -446,12 +522,12 @@ def test_head_bucket_404_maps_to_no_such_bucket():
 
 
 def test_connection_and_credential_errors_map():
-    refused = EndpointConnectionError(endpoint_url="http://127.0.0.1:1/bkt/some/key")
-    assert is_temp_failure(refused) and is_temp_failure(ShortBody("x"))
+    refused = ConnectionRefusedError(111, "Connection refused")
+    assert is_temp_failure(refused) and is_temp_failure(ShortBody("x")) and is_temp_failure(TimeoutError())
     assert isinstance(map_error(refused, op="get", url=URL), Unreachable)
-    denied = map_error(NoCredentialsError(), op="head", url=URL)
+    denied = map_error(NoCredentials("none found"), op="head", url=URL)
     assert isinstance(denied, AccessDenied) and str(denied).startswith(f"head {URL}")
-    assert not is_temp_failure(NoCredentialsError())
+    assert not is_temp_failure(NoCredentials("none found"))
 
 
 def test_local_server_stops_by_its_own_pid():

@@ -1,4 +1,5 @@
 import errno
+import fcntl
 import os
 import random
 import threading
@@ -923,14 +924,14 @@ def test_a_failed_direct_write_leaves_no_temp_file_and_raises(tmp_path, monkeypa
 
 def test_direct_write_buffers_are_reused_and_bounded():
     direct = block_format.DirectWrites(keep=2)
-    bufs = [direct._take(5000) for _ in range(3)]
+    bufs = [direct.take(5000) for _ in range(3)]
     assert all(len(b) >= 5000 and len(b) % (1 << 20) == 0 for b in bufs)
     for b in bufs:
-        direct._give(b)
+        direct.give(b)
     assert len(direct._free) == 2 and bufs[2].closed
-    again = direct._take(4096)
+    again = direct.take(4096)
     assert again is bufs[0]
-    bigger = direct._take(3 << 20)
+    bigger = direct.take(3 << 20)
     assert bigger not in bufs and len(bigger) >= 3 << 20
 
 
@@ -939,27 +940,27 @@ def test_small_buffers_do_not_hold_the_pool():
     otherwise a few small writes (a shard's tail block) would make every later large write map,
     fault in and unmap a buffer of its own."""
     direct = block_format.DirectWrites(keep=2)
-    small = [direct._take(5000) for _ in range(2)]
-    big = direct._take(3 << 20)
+    small = [direct.take(5000) for _ in range(2)]
+    big = direct.take(3 << 20)
     for b in small + [big]:
-        direct._give(b)
+        direct.give(b)
     assert big in direct._free and len(direct._free) == 2
     assert sum(b.closed for b in small) == 1
-    assert direct._take(3 << 20) is big            # the next large write reuses it
+    assert direct.take(3 << 20) is big            # the next large write reuses it
 
 
 def test_the_pool_keeps_a_bounded_number_of_bytes():
     direct = block_format.DirectWrites(keep=8, keep_bytes=3 << 20)
-    small = [direct._take(5000) for _ in range(3)]         # 1 MiB each
+    small = [direct.take(5000) for _ in range(3)]         # 1 MiB each
     for b in small:
-        direct._give(b)
+        direct.give(b)
     assert len(direct._free) == 3
-    big = direct._take(3 << 20)
+    big = direct.take(3 << 20)
     assert big not in small
-    direct._give(big)
+    direct.give(big)
     assert direct._free == [big] and all(b.closed for b in small)
-    huge = direct._take(5 << 20)                           # past keep_bytes alone: still one is kept
-    direct._give(huge)
+    huge = direct.take(5 << 20)                           # past keep_bytes alone: still one is kept
+    direct.give(huge)
     assert direct._free == [huge] and big.closed
 
 
@@ -1012,6 +1013,36 @@ def test_a_cached_object_is_assembled_into_one_exact_file_verified(tmp_path, dir
     assert t.stats()["used_bytes"] == t.file_size(4 * BS + tail)    # the blocks went: its bytes once
     assert not any(t.contains(k) or block_file(tmp_path, k).exists() for k in keys)
     assert metric(t, "cachefs_whole_files_total", result="assembled") == 1
+
+
+def test_a_whole_file_the_device_refuses_to_write_direct_is_written_buffered(tmp_path, monkeypatch):
+    """EINVAL at the first O_DIRECT write of a whole file: it is written again buffered, right,
+    no temp file left, and the device is not asked for O_DIRECT again (as for block files)."""
+    keys, tail = large_keys(3), 999
+    parts = [blob(200 + i) for i in range(2)] + [blob(202, tail)]
+    whole = BlockKey("s3://bucket", "ckpt/model.bin", "v1", BS, -1)
+    t = make_tier(tmp_path, exact_files=True, direct_io=True)
+
+    async def fill():
+        for k, data in zip(keys, parts, strict=True):
+            assert await t.fill(k, data)
+    serve(t, fill)
+    real_pwritev, refused = os.pwritev, []
+
+    def pwritev(fd, buffers, offset):
+        if os.get_blocking(fd) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwritev(fd, buffers, offset)
+    monkeypatch.setattr(os, "pwritev", pwritev)
+
+    async def assemble():
+        assert await t.assemble(whole, keys, 2 * BS + tail)
+    serve(t, assemble)
+    assert refused == [0]
+    assert block_file(tmp_path, whole).read_bytes() == b"".join(parts)
+    assert t.stats()["writes"] == "buffered (O_DIRECT refused)"
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_held_blocks_stay_beside_the_whole_file_and_go_first(tmp_path):

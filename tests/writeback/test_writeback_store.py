@@ -86,29 +86,31 @@ def test_fsspec_store_writes():
 
 
 def test_puts_and_parts_carry_a_signed_sha256_of_the_body_not_md5(s3):
-    """The lean PUT path hashes a body once (SHA-256, signed: AWS and Ceph RGW refuse a body
-    that does not match it) instead of Content-MD5 plus the payload hash."""
+    """Every request of an upload goes through our transport, and each body is hashed once
+    (SHA-256, signed: AWS and Ceph RGW refuse a body that does not match it) instead of
+    Content-MD5 plus the payload hash; the completion's XML body too."""
     import hashlib
     store, client, bucket = s3
-    assert store._putter is not None
     sent = []
-    urlopen = store._putter._pool.urlopen
+    urlopen = store._requests._pool.urlopen
 
     def spy(method, url, body=None, headers=None, **kwargs):
         sent.append((method, url, body, {k.lower(): v for k, v in headers.items()}))
         return urlopen(method, url, body=body, headers=headers, **kwargs)
 
-    store._putter._pool.urlopen = spy
+    store._requests._pool.urlopen = spy
     data = random.Random(4).randbytes(6 * MIB)
     store.put("odd key+&=%.txt", b"small")
     upload = store.start_upload("odd key+&=%.bin")
     parts = [(1, store.upload_part("odd key+&=%.bin", upload, 1, data[:5 * MIB])),
              (2, store.upload_part("odd key+&=%.bin", upload, 2, data[5 * MIB:]))]
     store.finish_upload("odd key+&=%.bin", upload, parts, len(data))
-    assert [m for m, *_ in sent] == ["PUT"] * 3 and "partNumber=2&uploadId=" in sent[2][1]
+    assert [m for m, *_ in sent] == ["PUT", "POST", "PUT", "PUT", "POST", "HEAD"]
+    assert "partNumber=2&uploadId=" in sent[3][1] and "?uploads=" in sent[1][1]
     for _method, _url, body, headers in sent:
-        assert headers["x-amz-content-sha256"] == hashlib.sha256(body).hexdigest()
-        assert "content-md5" not in headers
+        assert headers["x-amz-content-sha256"] == hashlib.sha256(body or b"").hexdigest()
+        assert "content-md5" not in headers and headers["authorization"].startswith("AWS4-HMAC-SHA256 ")
+    assert b"<PartNumber>2</PartNumber>" in sent[4][2]
     assert client.get_object(Bucket=bucket, Key="root/odd key+&=%.bin")["Body"].read() == data
     assert client.get_object(Bucket=bucket, Key="root/odd key+&=%.txt")["Body"].read() == b"small"
 

@@ -21,6 +21,7 @@ proves nothing is BadResponse. The store counts each accepted 200 in
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 
 from cachefs.errors import BadResponse, VersionChanged
 from cachefs.store.s3.sigv4 import check_headers
@@ -39,6 +40,34 @@ BEHAVIOUR = {
     "range_200_content_range": "answers ranged GETs with 200 (not 206) and a matching Content-Range",
     "range_200_etag": "answers ranged GETs with 200 (not 206), no Content-Range; the pinned ETag matches",
 }
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the store reads of one S3 answer, whichever transport brought it (header values as
+    sent; ``cut``: the transport read only the asked bytes of a whole-object answer, ``window``)."""
+    status: int
+    etag: str | None = None
+    content_range: str | None = None
+    content_length: int | None = None
+    last_modified: str | None = None
+    cut: bool = False
+
+
+class S3Error(Exception):
+    """An S3 error answer: its HTTP status, the Code and Message of its XML body (the status as
+    the code when there is no body, as for HEAD), Retry-After, and the bucket's region when the
+    server names it (a request signed for the wrong region)."""
+
+    def __init__(self, operation: str, status: int, code: str, message: str = "", *,
+                 retry_after: str | None = None, region: str | None = None) -> None:
+        super().__init__(f"{operation}: {status} {code}" + (f": {message}" if message else ""))
+        self.operation = operation
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+        self.region = region
 
 
 class BadAnswer(Exception):
@@ -91,16 +120,16 @@ def window(want: Want, status: int, content_length: int | None) -> tuple[int, in
     return want.start, want.length
 
 
-def verify(want: Want, response: dict, body: bytes) -> tuple[bytes, str | None]:
+def verify(want: Want, reply: Reply, body: bytes) -> tuple[bytes, str | None]:
     """(the bytes [start, end), the fallback kind or None) of a GET answer; VersionChanged,
     BadResponse or BadAnswer when it does not provably hold them."""
-    got = etag_of(response.get("ETag"))
+    got = etag_of(reply.etag)
     if got and want.etag and got != want.etag:
         raise VersionChanged(f"get {want.url}: object changed (ETag {got}, pinned {want.etag})")
-    status = int(response["ResponseMetadata"]["HTTPStatusCode"])
+    status = reply.status
     kind = None
     if want.ranged:
-        body, kind = _ranged_body(want, status, response, body)
+        body, kind = _ranged_body(want, status, reply, body)
     elif status != 200:
         raise BadResponse(f"get {want.url}: whole-object GET answered {status}")
     if len(body) != want.length:
@@ -108,14 +137,14 @@ def verify(want: Want, response: dict, body: bytes) -> tuple[bytes, str | None]:
     return body, kind
 
 
-def _ranged_body(want: Want, status: int, response: dict, body: bytes) -> tuple[bytes, str | None]:
-    content_range = response.get("ContentRange")
+def _ranged_body(want: Want, status: int, reply: Reply, body: bytes) -> tuple[bytes, str | None]:
+    content_range = reply.content_range
     if status == 206:
         _check_content_range(want, content_range)
         return body, None
     if status != 200:
         raise BadResponse(f"get {want.url}: asked bytes {want.start}-{want.end - 1}, got {status}")
-    if response.get("Cut"):          # the transport read only [start, end) of the whole object
+    if reply.cut:          # the transport read only [start, end) of the whole object
         return body, "whole_object"
     if len(body) == want.size:
         return body[want.start:want.end], "whole_object"
@@ -124,7 +153,7 @@ def _ranged_body(want: Want, status: int, response: dict, body: bytes) -> tuple[
     if content_range:
         _check_content_range(want, content_range)
         return body, "range_200_content_range"
-    if want.etag and etag_of(response.get("ETag")) == want.etag:
+    if want.etag and etag_of(reply.etag) == want.etag:
         return body, "range_200_etag"
     raise BadResponse(f"get {want.url}: asked bytes {want.start}-{want.end - 1}, got 200 with {len(body)} "
                       "bytes and neither Content-Range nor the pinned ETag to prove which")
@@ -147,10 +176,31 @@ def content_length(value: str | None) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def error_of(status: int, body: bytes | None) -> dict:
-    """botocore's error shape from an S3 error response: Code and Message from the XML body."""
+def http_date(value: str | None) -> float:
+    """Seconds since the epoch of an HTTP date (Last-Modified); BadAnswer when absent or unreadable."""
+    try:
+        return parsedate_to_datetime(value or "").timestamp()
+    except (TypeError, ValueError):
+        raise BadAnswer(f"unreadable Last-Modified {str(value)[:60]!r}") from None
+
+
+def error_of(operation: str, status: int, body: bytes | None, headers) -> S3Error:
+    """The S3Error of an error answer: Code and Message from its XML body (the status as the code
+    when there is none), Retry-After and x-amz-bucket-region from its ``headers`` (a mapping
+    with case-insensitive lookup, or None)."""
     body = body or b""
     code = _CODE_RE.search(body)
     message = _MESSAGE_RE.search(body)
-    return {"Code": code[1].decode(errors="replace") if code else str(status),
-            "Message": message[1].decode(errors="replace") if message else ""}
+    get = headers.get if headers is not None else (lambda name: None)
+    return S3Error(operation, status, code[1].decode(errors="replace") if code else str(status),
+                   message[1].decode(errors="replace") if message else "",
+                   retry_after=get("retry-after"), region=get("x-amz-bucket-region"))
+
+
+def error_in_body(operation: str, status: int, body: bytes, headers) -> S3Error | None:
+    """The error a 200 answer carries in its body, or None: CompleteMultipartUpload and CopyObject
+    may answer 200 and fail later, sending ``<Error>`` instead of their result."""
+    head = body.lstrip()[:200]
+    if head.startswith(b"<?xml"):
+        head = head[head.find(b"?>") + 2:].lstrip()
+    return error_of(operation, status, body, headers) if head.startswith(b"<Error>") else None

@@ -9,11 +9,12 @@ GET. So this module speaks the small part of HTTP/1.1 a GET needs, and nothing e
 
 - one request, ``Content-Length``, chunked or close-delimited bodies, keep-alive reuse;
 - the request is signed (``sigv4``, checked against botocore's signer) with the session's
-  credentials object, refreshed as boto3 refreshes it;
+  credentials object, refreshed as botocore refreshes it;
 - a connection that was idle and fails before the first response byte is retried once on a
   new connection (the server closed it while idle); every other failure is the caller's to
-  retry: ConnectionError and TimeoutError (transient), ``ClientError`` for an error status, in
-  the shapes ``requests`` answers, so the store's checks, retries and metrics apply as they are;
+  retry: ConnectionError and TimeoutError (transient), ``answer.S3Error`` for an error status,
+  an ``answer.Reply`` otherwise, as ``requests`` answers, so the store's checks, retries and
+  metrics apply as they are;
 - a connection is reused only after its whole response was read; one interrupted in any way
   (error, timeout, cancellation) is closed; so is one whose body ``window`` cut short (a server
   that sends a whole big object for a range: see ``answer.window``).
@@ -43,11 +44,10 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import trio
-from botocore import exceptions as bx
 
 from cachefs.sched import in_thread_stoppable, send_all
 from cachefs.store.s3 import fresh
-from cachefs.store.s3.answer import Window, error_of
+from cachefs.store.s3.answer import Reply, Window, error_of
 from cachefs.store.s3.sigv4 import Signer, object_path
 
 # The response grammar, as h11 0.16 reads it (tests/store/test_http_framing.py checks that we agree).
@@ -225,8 +225,8 @@ class AsyncGetter:
         return self._root + object_path(bucket, key)
 
     async def get(self, bucket: str, key: str, headers: dict[str, str],
-                  window: Window | None = None) -> tuple[dict, bytes]:
-        """(response dict, body) of one GET; ClientError for an HTTP error status. ``window``
+                  window: Window | None = None) -> tuple[Reply, bytes]:
+        """(reply, body) of one GET; S3Error for an HTTP error status. ``window``
         (see ``answer.window``) may ask to read only part of a 2xx body: the connection is then closed."""
         target = self.target(bucket, key)
         self._this_run()
@@ -304,7 +304,7 @@ class AsyncGetter:
         return "\r\n".join(lines).encode("latin-1")
 
     async def _exchange(self, conn: _Connection, request: bytes | None, target: str,
-                        window: Window | None) -> tuple[dict, bytes]:
+                        window: Window | None) -> tuple[Reply, bytes]:
         """Send ``request`` on ``conn`` and read the answer; the connection is pooled again only
         after a complete response that allows keep-alive, and closed otherwise."""
         conn.received = 0
@@ -326,12 +326,9 @@ class AsyncGetter:
                 self._give_back(conn)
             else:
                 conn.close()
-        response = {"ETag": fields.get("etag"), "ContentRange": fields.get("content-range"),
-                    "ContentLength": _length(fields), "Cut": cut, "ResponseMetadata": {"HTTPStatusCode": status}}
         if status >= 300:
-            response["RetryAfter"] = fields.get("retry-after")
-            raise bx.ClientError({"Error": error_of(status, body), **response}, "GetObject")
-        return response, body
+            raise error_of("GetObject", status, body, fields)
+        return Reply(status, fields.get("etag"), fields.get("content-range"), _length(fields), cut=cut), body
 
     async def read_response(self, conn: _Connection, window: Window | None = None
                             ) -> tuple[int, dict[str, str], bytes, bool, bool]:

@@ -1,5 +1,6 @@
-"""AWS Signature Version 4 for S3, the one signer of every lean request, with the signing key kept
-for the day; and the one check of every header value we send.
+"""AWS Signature Version 4 for S3, the one signer of every request cachefs sends, with the signing
+key kept for the day; and the one check of every header value we send. botocore only supplies
+the credentials object (its standard chain and refresh).
 
 botocore's signer derives the signing key (four HMACs) and rebuilds its header tables for every
 request: ~15% of the daemon's CPU during a warmup. This signer computes the same signature
@@ -56,6 +57,11 @@ def check_headers(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
+class NoCredentials(Exception):
+    """No credentials were found by the standard chain (environment, profile, credentials file,
+    web identity, instance metadata): nothing is sent unsigned."""
+
+
 class Signer:
     def __init__(self, credentials, region: str, service: str = "s3") -> None:
         self._credentials = credentials
@@ -69,6 +75,9 @@ class Signer:
         """``headers`` plus Host, X-Amz-Date, X-Amz-Content-SHA256, the session token if any, and
         Authorization: everything to send for ``method`` on ``path?query`` (``query`` from
         ``query_string``) with a body whose SHA-256 is ``payload_sha256`` (none by default)."""
+        if self._credentials is None:
+            raise NoCredentials("no credentials found (environment, AWS profile, credentials file, web "
+                                "identity or instance metadata)")
         creds = self._credentials.get_frozen_credentials()
         amz_date = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         out = {"Host": host, **headers, "X-Amz-Date": amz_date, "X-Amz-Content-SHA256": payload_sha256}

@@ -1,24 +1,24 @@
-"""S3 and Ceph RGW through boto3: one shared client, our own retries, strict GET checks.
+"""S3 and Ceph RGW: one transport of our own, our own retries, strict GET checks.
 
-botocore's own retries are off (one attempt per call); ``call_with_retries``
-retries what ``is_temp_failure`` calls transient, and ``map_error`` turns what
-is left into the cachefs vocabulary with a message naming the operation and
-``s3://bucket/key``. Credentials come only from boto3's standard chain (env,
-profile, credentials file), never from arguments or URLs, and are never logged.
+Every request is built, signed (``sigv4``) and read by cachefs: GETs as trio tasks (``http``),
+everything else, and GETs under ``--no-lean-requests`` or behind a proxy, from worker threads
+(``requests``); answers come back as ``answer.Reply`` and ``answer.S3Error``. botocore is used
+for one thing: its standard credentials chain (environment, profile, credentials file, web
+identity, instance metadata) and the refresh of what it finds. Credentials never come from
+arguments or URLs and are never logged.
 
-Requests: GETs as trio tasks (``http``), threaded GETs, listings, PUTs and parts
-(``requests``), all signed by ``sigv4``; the rare calls through boto3 (see
-``requests`` for which). GET answers are checked by ``answer`` because servers
-differ (docs/design.md, measured facts); a ranged GET answered 200 that provably holds the
-asked bytes is accepted, counted in ``cachefs_store_range_fallbacks_total``
-and warned about once per kind per store.
+``call_with_retries`` retries what ``is_temp_failure`` calls transient, and ``map_error`` turns
+what is left into the cachefs vocabulary with a message naming the operation and
+``s3://bucket/key``. GET answers are checked by ``answer`` because servers differ
+(docs/design.md, measured facts); a ranged GET answered 200 that provably holds the asked bytes is
+accepted, counted in ``cachefs_store_range_fallbacks_total`` and warned about once per kind per
+store.
 """
 
-import base64
 import contextlib
 import functools
-import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -27,7 +27,6 @@ from typing import Any
 import boto3
 import botocore.exceptions as bx
 import trio
-from botocore.config import Config
 
 from cachefs.errors import (
     AccessDenied,
@@ -43,9 +42,21 @@ from cachefs.metrics import Metrics
 from cachefs.sched import held
 from cachefs.store.base import Listing, ObjectInfo, ObjectStore
 from cachefs.store.retry import RetryPolicy, call_with_retries, call_with_retries_async
-from cachefs.store.s3.answer import BEHAVIOUR, BadAnswer, Want, etag_of, get_headers, verify, window
+from cachefs.store.s3.answer import (
+    BEHAVIOUR,
+    BadAnswer,
+    Reply,
+    S3Error,
+    Want,
+    etag_of,
+    get_headers,
+    http_date,
+    verify,
+    window,
+)
 from cachefs.store.s3.http import AsyncGetter
-from cachefs.store.s3.requests import Requests, lean_usable
+from cachefs.store.s3.requests import Listed, Page, Requests
+from cachefs.store.s3.sigv4 import NoCredentials
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +68,14 @@ _DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesN
                            "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "Forbidden", "403"})
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "NoSuchUpload", "404"})
 _CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
-_CREDENTIAL_ERRORS = (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)
-_TEMP_EXCEPTIONS = (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError, BadAnswer,
-                    ConnectionError, TimeoutError)
-_MAPPED = (bx.ClientError, bx.BotoCoreError, BadAnswer, ConnectionError, TimeoutError)
-_TIMEOUTS = (TimeoutError, bx.ConnectTimeoutError, bx.ReadTimeoutError)
+# answers to a request signed for the wrong region (x-amz-bucket-region names the right one)
+_REGION_CODES = frozenset({"AuthorizationHeaderMalformed", "PermanentRedirect", "301", "400"})
+# what botocore's credentials chain may raise when it looks for or refreshes credentials
+_CREDENTIAL_ERRORS = (NoCredentials, bx.NoCredentialsError, bx.PartialCredentialsError,
+                      bx.CredentialRetrievalError)
+_TEMP_EXCEPTIONS = (BadAnswer, ConnectionError, TimeoutError)
+_MAPPED = (S3Error, BadAnswer, ConnectionError, TimeoutError, *_CREDENTIAL_ERRORS)
+_DELETE_BATCH = 1000     # keys per DeleteObjects request (the S3 limit)
 RESTART_WINDOW = 5.0      # seconds a refused or reset connection is retried (at most the read timeout)
 
 
@@ -74,38 +88,29 @@ class S3Options:
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     max_attempts: int = 5
-    lean_requests: bool = True             # GETs and listings as trio tasks (http) or requests, not botocore
-    lean_put: bool = True             # PUTs and parts through requests, not botocore
+    lean_requests: bool = True        # GETs as trio tasks (http); False: from worker threads (requests)
 
 
 # --- error classification and mapping ---------------------------------------------------------
 
-def _code_and_status(exc: bx.ClientError) -> tuple[str, int]:
-    code = str(exc.response.get("Error", {}).get("Code", ""))
-    return code, int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-
-
 def is_temp_failure(exc: BaseException) -> bool:
     """True for errors worth retrying: connection trouble, timeouts, 5xx, throttling, short bodies."""
-    if isinstance(exc, bx.ClientError):
-        code, status = _code_and_status(exc)
-        return code in _TEMP_CODES or status in _TEMP_STATUS
+    if isinstance(exc, S3Error):
+        return exc.code in _TEMP_CODES or exc.status in _TEMP_STATUS
     return isinstance(exc, _TEMP_EXCEPTIONS)
 
 
 def is_refusal(exc: BaseException) -> bool:
     """A refused, reset or cut connection (a server restarting), not a timeout: retried for the
     policy's window rather than a number of attempts."""
-    return isinstance(exc, (ConnectionError, bx.ConnectionError, bx.ConnectionClosedError)) and \
-        not isinstance(exc, _TIMEOUTS)
+    return isinstance(exc, ConnectionError) and not isinstance(exc, TimeoutError)
 
 
 def retry_after(exc: BaseException) -> float | None:
     """The seconds a 503/429 answer's Retry-After asks to wait (the delta form only), else None."""
-    if not isinstance(exc, bx.ClientError):
+    if not isinstance(exc, S3Error):
         return None
-    value = exc.response.get("RetryAfter") or \
-        exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("retry-after")
+    value = exc.retry_after
     try:
         seconds = float(value) if value is not None else None
     except ValueError:
@@ -120,12 +125,12 @@ def retry_policy(options: "S3Options") -> RetryPolicy:
 
 
 def map_error(exc: BaseException, *, op: str, url: str, missing: type[StoreError] = NoSuchKey) -> StoreError:
-    """The cachefs error for a botocore failure of ``op`` on ``url`` (retries already spent)."""
+    """The cachefs error for a failure of ``op`` on ``url`` (retries already spent)."""
     where = f"{op} {url}"
-    if isinstance(exc, bx.ClientError):
-        return _map_client_error(exc, where, missing)
+    if isinstance(exc, S3Error):
+        return _map_s3_error(exc, where, missing)
     if isinstance(exc, _CREDENTIAL_ERRORS):
-        return AccessDenied(f"{where}: no usable credentials ({type(exc).__name__})")
+        return AccessDenied(f"{where}: no usable credentials ({type(exc).__name__}: {exc})")
     if isinstance(exc, BadAnswer):
         return BadResponse(f"{where}: {exc}")
     if is_temp_failure(exc):
@@ -133,9 +138,12 @@ def map_error(exc: BaseException, *, op: str, url: str, missing: type[StoreError
     return StoreError(f"{where}: {type(exc).__name__}: {exc}")
 
 
-def _map_client_error(exc: bx.ClientError, where: str, missing: type[StoreError]) -> StoreError:
-    code, status = _code_and_status(exc)
+def _map_s3_error(exc: S3Error, where: str, missing: type[StoreError]) -> StoreError:
+    code, status = exc.code, exc.status
     label = code or str(status)
+    if exc.region and code in _REGION_CODES:
+        return AccessDenied(f"{where}: the bucket is in region {exc.region}, not the one requests were "
+                           f"signed for; pass --region {exc.region} ({label})")
     if code == "NoSuchBucket":
         return NoSuchBucket(f"{where}: no such bucket")
     if code in _DENIED_CODES or status == 403:
@@ -146,78 +154,68 @@ def _map_client_error(exc: bx.ClientError, where: str, missing: type[StoreError]
         return missing(f"{where}: not found ({label})")
     if is_temp_failure(exc):
         return Unreachable(f"{where}: server kept failing ({label})")
-    return StoreError(f"{where}: {label}: {exc.response.get('Error', {}).get('Message', '')}")
+    return StoreError(f"{where}: {label}: {exc.message}")
 
 
 # --- the client ---------------------------------------------------------------------------------
 
 def make_session(options: S3Options) -> Any:
+    """The botocore session whose credentials chain (and region setting) the store uses."""
     try:
         return boto3.session.Session(profile_name=options.profile)
     except bx.ProfileNotFound as exc:
         raise ConfigError(f"AWS profile {options.profile!r} not found") from exc
 
 
-def make_client(options: S3Options, session: Any = None) -> Any:
-    """One thread-safe boto3 S3 client: path-style, big pool, no botocore retries."""
-    if options.endpoint_url and "@" in options.endpoint_url:
+def aws_endpoint(region: str) -> str:
+    """The AWS S3 endpoint of ``region`` (path-style requests)."""
+    return f"https://s3.{region}.amazonaws.com"
+
+
+def endpoint_of(options: S3Options, region: str) -> str:
+    """The endpoint requests go to: the option, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
+    as botocore reads them, else AWS in ``region``. ConfigError for one carrying credentials."""
+    endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+        os.environ.get("AWS_ENDPOINT_URL") or aws_endpoint(region)
+    if "@" in endpoint:
         raise ConfigError("endpoint URL must not carry credentials")
-    config = Config(s3={"addressing_style": "path"}, max_pool_connections=options.max_connections,
-                    connect_timeout=options.connect_timeout, read_timeout=options.read_timeout,
-                    retries={"total_max_attempts": 1, "mode": "standard"},
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required", tcp_keepalive=True)
-    session = session or make_session(options)
-    return session.client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
+    return endpoint
 
 
-def _requests(client: Any, session: Any, options: S3Options) -> Requests | None:
-    """The threaded lean requests (see ``requests``), unless disabled or not usable here."""
-    credentials = session.get_credentials() if options.lean_requests else None
-    if not lean_usable(client.meta.endpoint_url, credentials):
-        return None
-    return Requests(client.meta.endpoint_url, client.meta.region_name or "us-east-1", credentials,
-                    max_connections=options.max_connections, connect_timeout=options.connect_timeout,
-                    read_timeout=options.read_timeout)
-
-
-def _async_getter(client: Any, session: Any, options: S3Options) -> AsyncGetter | None:
-    """GETs as trio tasks (see ``http``): the lean path, where the lean path is usable."""
-    credentials = session.get_credentials() if options.lean_requests else None
-    if not lean_usable(client.meta.endpoint_url, credentials):
-        return None
-    return AsyncGetter(client.meta.endpoint_url, client.meta.region_name or "us-east-1", credentials,
-                       max_idle=options.max_connections, connect_timeout=options.connect_timeout,
-                       read_timeout=options.read_timeout)
-
-
-def _status_of(response: dict) -> str:
-    return str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", "error"))
-
-
-def _info(path: str, obj: dict) -> ObjectInfo:
-    size = obj.get("Size", obj.get("ContentLength", 0))
-    return ObjectInfo(path=path, size=size, mtime=obj["LastModified"].timestamp(), etag=etag_of(obj.get("ETag")))
+def _info(path: str, obj: Listed) -> ObjectInfo:
+    return ObjectInfo(path=path, size=obj.size, mtime=obj.mtime, etag=obj.etag)
 
 
 # --- the store ----------------------------------------------------------------------------------
 
 class S3Store(ObjectStore):
-    """An S3 bucket (AWS, Ceph RGW, moto, ...) below an optional root prefix."""
+    """An S3 bucket (AWS, Ceph RGW, moto, ...) below an optional root prefix.
 
-    def __init__(self, bucket: str, prefix: str, *, metrics: Metrics, options: S3Options = S3Options()) -> None:
+    ``credentials`` (a botocore credentials object) stands in for the standard chain: the CSI
+    controller passes what a request's secrets hold."""
+
+    def __init__(self, bucket: str, prefix: str, *, metrics: Metrics, options: S3Options = S3Options(),
+                 credentials: Any = None) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self._root = f"{self.prefix}/" if self.prefix else ""
         self._metrics = metrics
         self._options = options
         self._retry = retry_policy(options)
-        session = make_session(options)
-        self._client = make_client(options, session)
-        self._requests = _requests(self._client, session, options)
-        self._async_getter = _async_getter(self._client, session, options)
-        self._putter = self._requests if options.lean_put else None     # PUTs and parts
+        session = make_session(options) if credentials is None or options.region is None else None
+        region = options.region or (session.region_name if session is not None else None) or "us-east-1"
+        endpoint = endpoint_of(options, region)
+        if credentials is None:
+            credentials = session.get_credentials()
+        self._requests = Requests(endpoint, region, credentials, max_connections=options.max_connections,
+                                  connect_timeout=options.connect_timeout, read_timeout=options.read_timeout)
+        self._async_getter = None
+        if options.lean_requests and self._requests.proxy is None:
+            self._async_getter = AsyncGetter(endpoint, region, credentials, max_idle=options.max_connections,
+                                             connect_timeout=options.connect_timeout,
+                                             read_timeout=options.read_timeout)
         self._fallbacks_warned: set[str] = set()
+        self.endpoint = endpoint
         self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
 
@@ -228,15 +226,16 @@ class S3Store(ObjectStore):
     def _url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
-    def _timed(self, op: str, request: Callable[[], tuple[dict, Any]]) -> tuple[dict, Any]:
-        """Run one HTTP request (``request`` returns (response, payload)) and count it."""
+    def _timed(self, op: str, request: Callable[[], Any]) -> Any:
+        """Run one HTTP request (``request`` returns a Reply, or a tuple that starts with one) and
+        count it by the status it was answered with."""
         started, status = time.monotonic(), "error"
         try:
-            response, payload = request()
-            status = _status_of(response)
-            return response, payload
-        except bx.ClientError as exc:
-            status = _status_of(exc.response)
+            result = request()
+            status = str((result[0] if isinstance(result, tuple) else result).status)
+            return result
+        except S3Error as exc:
+            status = str(exc.status)
             raise
         finally:
             self._count(op, status, started)
@@ -246,36 +245,36 @@ class S3Store(ObjectStore):
         self._metrics.store_latency.labels(op).observe(time.monotonic() - started)
 
     def _call(self, op: str, key: str, attempt: Callable[[], Any], missing: type[StoreError] = NoSuchKey) -> Any:
-        """``attempt()`` with retries; botocore errors left over become cachefs errors."""
+        """``attempt()`` with retries; errors left over become cachefs errors."""
         try:
             return call_with_retries(attempt, op=op, policy=self._retry, metrics=self._metrics)
         except _MAPPED as exc:
             raise map_error(exc, op=op, url=self._url(key), missing=missing) from exc
 
-    def _simple(self, op: str, key: str, method: str, missing: type[StoreError] = NoSuchKey,
-                **kwargs: Any) -> dict:
-        """A retried, counted request whose whole answer is its response dict."""
-        call = getattr(self._client, method)
-
-        def request() -> tuple[dict, None]:
-            return call(**kwargs), None
-        return self._call(op, key, lambda: self._timed(op, request)[0], missing)
+    def _send(self, op: str, key: str, request: Callable[[], Any], missing: type[StoreError] = NoSuchKey) -> Any:
+        """One request, counted, with retries: what ``request()`` returns."""
+        return self._call(op, key, lambda: self._timed(op, request), missing)
 
     # --- ObjectStore ---
 
     def check(self) -> None:
-        self._simple("head_bucket", "", "head_bucket", NoSuchBucket, Bucket=self.bucket)
+        self._send("head_bucket", "", lambda: self._requests.head_bucket(self.bucket), NoSuchBucket)
         if not self.prefix:
             return
-        page = self._list_page(self._root, {"Bucket": self.bucket, "Prefix": self._root, "MaxKeys": 1},
-                               NoSuchBucket)
-        if not page.get("Contents") and not page.get("CommonPrefixes"):
+        page = self._list_page(self._root, {"prefix": self._root, "max-keys": "1"}, NoSuchBucket)
+        if not page.objects and not page.prefixes:
             raise NoSuchKey(f"no objects under s3://{self.bucket}/{self.prefix}")
 
     def head(self, path: str) -> ObjectInfo:
         key = self._root + path
-        response = self._simple("head", key, "head_object", Bucket=self.bucket, Key=key)
-        return _info(path, response)
+        reply = self._send("head", key, lambda: self._requests.head(self.bucket, key))
+        try:
+            mtime = http_date(reply.last_modified)
+        except BadAnswer as exc:
+            raise BadResponse(f"head {self._url(key)}: {exc}") from None
+        if reply.content_length is None:
+            raise BadResponse(f"head {self._url(key)}: answer without a Content-Length")
+        return ObjectInfo(path=path, size=reply.content_length, mtime=mtime, etag=etag_of(reply.etag))
 
     def get(self, path: str, start: int, end: int, etag: str, size: int) -> bytes:
         key, want = self._want(path, start, end, etag, size)
@@ -321,36 +320,15 @@ class S3Store(ObjectStore):
         return key, Want(self._url(key), etag, start, end, size)
 
     def _get_once(self, key: str, want: Want) -> bytes:
-        def request() -> tuple[dict, bytes]:
-            headers = get_headers(want)
-            if self._requests is not None:
-                return self._requests.get(self.bucket, key, headers, functools.partial(window, want))
-            return self._boto3_get(key, want, headers)
-        response, body = self._timed("get", request)
-        return self._verified(want, response, body)
+        headers = get_headers(want)
+        reply, body = self._timed("get", lambda: self._requests.get(self.bucket, key, headers,
+                                                                     functools.partial(window, want)))
+        return self._verified(want, reply, body)
 
-    def _boto3_get(self, key: str, want: Want, headers: dict[str, str]) -> tuple[dict, bytes]:
-        kwargs = {"Bucket": self.bucket, "Key": key}
-        if "If-Match" in headers:
-            kwargs["IfMatch"] = headers["If-Match"]
-        if "Range" in headers:
-            kwargs["Range"] = headers["Range"]
-        response = self._client.get_object(**kwargs)
-        status = response["ResponseMetadata"]["HTTPStatusCode"]
-        cut = window(want, status, response.get("ContentLength"))
-        response["Cut"] = cut is not None
-        with response["Body"] as body:     # inside the attempt: a mid-body reset is retried
-            if cut is None:
-                return response, body.read()
-            skip, take = cut
-            while skip and (data := body.read(min(skip, 1 << 20))):
-                skip -= len(data)
-            return response, body.read(take) if not skip else b""
-
-    def _verified(self, want: Want, response: dict, body: bytes) -> bytes:
+    def _verified(self, want: Want, reply: Reply, body: bytes) -> bytes:
         """The asked bytes of a GET answer (``answer.verify``); a 200 accepted for a ranged GET is
         counted and, the first time for its kind, logged."""
-        data, kind = verify(want, response, body)
+        data, kind = verify(want, reply, body)
         if kind is not None:
             self._metrics.store_range_fallbacks.labels(kind).inc()
             if kind not in self._fallbacks_warned:
@@ -365,35 +343,35 @@ class S3Store(ObjectStore):
         # timed from when the request left, which start_get may have made earlier
         started, status = self._async_getter.sent_at(self.bucket, key, headers) or time.monotonic(), "error"
         try:
-            response, body = await self._async_getter.get(self.bucket, key, headers, functools.partial(window, want))
-            status = _status_of(response)
-        except bx.ClientError as exc:
-            status = _status_of(exc.response)
+            reply, body = await self._async_getter.get(self.bucket, key, headers, functools.partial(window, want))
+            status = str(reply.status)
+        except S3Error as exc:
+            status = str(exc.status)
             raise
         except trio.Cancelled:
             status = "cancelled"          # a hedge that lost, or a reader gone
             raise
         finally:
             self._count("get", status, started)
-        return self._verified(want, response, body)
+        return self._verified(want, reply, body)
 
     def list_dir(self, prefix: str) -> Listing:
         full = self._root + prefix
         listing, dirs = Listing(), {}
         for page in self._pages(full, delimiter=True):
-            for obj in page.get("Contents", []):
+            for obj in page.objects:
                 self._add_listed(listing, dirs, full, obj)
-            for common in page.get("CommonPrefixes", []):
-                _add_dir(dirs, common["Prefix"][len(full):])
+            for common in page.prefixes:
+                _add_dir(dirs, common[len(full):])
         listing.dirs = list(dirs)
         return listing
 
-    def _add_listed(self, listing: Listing, dirs: dict[str, None], full: str, obj: dict) -> None:
-        rel = obj["Key"][len(full):]
+    def _add_listed(self, listing: Listing, dirs: dict[str, None], full: str, obj: Listed) -> None:
+        rel = obj.key[len(full):]
         if "/" in rel:          # "name/" marks a sub-directory ("" is this directory's own marker)
             _add_dir(dirs, rel)
         elif rel not in ("", ".", ".."):
-            listing.files.append(_info(obj["Key"][len(self._root):], obj))
+            listing.files.append(_info(obj.key[len(self._root):], obj))
 
     def list_tree(self, prefix: str, limit: int) -> Generator[tuple[str, Listing], None, bool]:
         # Keys come sorted, and the keys under one prefix are contiguous: a directory is complete
@@ -402,8 +380,8 @@ class S3Store(ObjectStore):
         open_dirs: dict[str, tuple[Listing, dict[str, None]]] = {}
         last, count = "", 0
         for page in self._pages(full, delimiter=False):
-            for obj in page.get("Contents", []):
-                key = obj["Key"]
+            for obj in page.objects:
+                key = obj.key
                 if key <= last:
                     raise BadResponse(f"list {self._url(full)}: keys out of order ({last!r} before {key!r})")
                 last, count = key, count + 1
@@ -430,78 +408,52 @@ class S3Store(ObjectStore):
 
     def list_all(self, prefix: str = "") -> Iterator[ObjectInfo]:
         for page in self._pages(self._root + prefix, delimiter=False):
-            for obj in page.get("Contents", []):
-                if not obj["Key"].endswith("/"):
-                    yield _info(obj["Key"][len(self._root):], obj)
+            for obj in page.objects:
+                if not obj.key.endswith("/"):
+                    yield _info(obj.key[len(self._root):], obj)
 
-    def _pages(self, full: str, *, delimiter: bool) -> Iterator[dict]:
+    def _pages(self, full: str, *, delimiter: bool) -> Iterator[Page]:
         """Every ListObjectsV2 page under ``full``; each page retried on its own."""
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
+        params = {"prefix": full}
         if delimiter:
-            kwargs["Delimiter"] = "/"
+            params["delimiter"] = "/"
         while True:
-            page = self._list_page(full, kwargs)
+            page = self._list_page(full, params)
             yield page
-            if not page.get("IsTruncated"):
+            if not page.truncated:
                 return
-            if not page.get("NextContinuationToken"):
+            if not page.token:
                 raise BadResponse(f"list {self._url(full)}: truncated page without a continuation token")
-            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+            params["continuation-token"] = page.token
 
-    def _list_page(self, full: str, kwargs: dict[str, Any], missing: type[StoreError] = NoSuchKey) -> dict:
-        """One retried, counted ListObjectsV2 page: lean (``requests.list_page``) or boto3."""
-        if self._requests is None:
-            return self._simple("list", full, "list_objects_v2", missing, **kwargs)
-        params = {"prefix": kwargs["Prefix"]}
-        if "Delimiter" in kwargs:
-            params["delimiter"] = kwargs["Delimiter"]
-        if "ContinuationToken" in kwargs:
-            params["continuation-token"] = kwargs["ContinuationToken"]
-        if "MaxKeys" in kwargs:
-            params["max-keys"] = str(kwargs["MaxKeys"])
-
-        def request() -> tuple[dict, None]:
-            return self._requests.list_page(self.bucket, params), None
-        return self._call("list", full, lambda: self._timed("list", request)[0], missing)
+    def _list_page(self, full: str, params: dict[str, str], missing: type[StoreError] = NoSuchKey) -> Page:
+        """One retried, counted ListObjectsV2 page."""
+        return self._send("list", full, lambda: self._requests.list_page(self.bucket, params), missing)[1]
 
     # --- writes ---
 
-    def _lean(self, op: str, key: str, send: Callable[[], dict]) -> dict:
-        """A retried, counted request through the lean PUT path."""
-        return self._call(op, key, lambda: self._timed(op, lambda: (send(), None))[0])
-
     def put(self, path: str, data: bytes) -> ObjectInfo:
-        key = self._root + path
-        if self._putter is not None:     # a signed SHA-256 of the body: the server checks it
-            response = self._lean("put", key, lambda: self._putter.put(self.bucket, key, data))
-        else:
-            response = self._simple("put", key, "put_object", Bucket=self.bucket, Key=key, Body=data,
-                                    ContentMD5=_md5(data))
-        return ObjectInfo(path=path, size=len(data), mtime=time.time(), etag=etag_of(response.get("ETag")))
+        key = self._root + path     # the body is signed by its SHA-256: the server checks it
+        reply = self._send("put", key, lambda: self._requests.put(self.bucket, key, data))
+        return ObjectInfo(path=path, size=len(data), mtime=time.time(), etag=etag_of(reply.etag))
 
     def start_upload(self, path: str) -> str:
         key = self._root + path
-        return self._simple("start_upload", key, "create_multipart_upload", Bucket=self.bucket,
-                            Key=key)["UploadId"]
+        return self._send("start_upload", key, lambda: self._requests.start_upload(self.bucket, key))[1]
 
     def upload_part(self, path: str, upload_id: str, number: int, data: bytes) -> str:
         key = self._root + path
-        if self._putter is not None:
-            response = self._lean("upload_part", key,
-                                  lambda: self._putter.upload_part(self.bucket, key, upload_id, number, data))
-        else:
-            response = self._simple("upload_part", key, "upload_part", Bucket=self.bucket, Key=key,
-                                    UploadId=upload_id, PartNumber=number, Body=data, ContentMD5=_md5(data))
-        if not response.get("ETag"):
+        reply = self._send("upload_part", key,
+                           lambda: self._requests.upload_part(self.bucket, key, upload_id, number, data))
+        if not reply.etag:
             raise BadResponse(f"upload_part {self._url(key)}: part {number} answered without an ETag")
-        return etag_of(response.get("ETag"))
+        return etag_of(reply.etag)
 
     def finish_upload(self, path: str, upload_id: str, parts: list[tuple[int, str]], size: int) -> ObjectInfo:
         key = self._root + path
-        layout = {"Parts": [{"PartNumber": n, "ETag": f'"{etag}"'} for n, etag in parts]}
         try:
-            self._simple("finish_upload", key, "complete_multipart_upload", Bucket=self.bucket, Key=key,
-                         UploadId=upload_id, MultipartUpload=layout)
+            self._send("finish_upload", key,
+                       lambda: self._requests.finish_upload(self.bucket, key, upload_id, parts))
         except NoSuchKey:
             pass   # NoSuchUpload after a retried completion whose first answer was lost: HEAD decides
         info = self.head(path)   # Ceph RGW answers the completion with an empty ETag (docs/design.md, measured facts)
@@ -511,26 +463,32 @@ class S3Store(ObjectStore):
 
     def abort_upload(self, path: str, upload_id: str) -> None:
         key = self._root + path
-        try:
-            self._simple("abort_upload", key, "abort_multipart_upload", Bucket=self.bucket, Key=key,
-                         UploadId=upload_id)
-        except NoSuchKey:
-            pass   # NoSuchUpload: already gone
+        with contextlib.suppress(NoSuchKey):     # NoSuchUpload: already gone
+            self._send("abort_upload", key, lambda: self._requests.abort_upload(self.bucket, key, upload_id))
 
     def delete(self, path: str) -> None:
         key = self._root + path
         with contextlib.suppress(NoSuchKey):
-            self._simple("delete", key, "delete_object", Bucket=self.bucket, Key=key)
+            self._send("delete", key, lambda: self._requests.delete(self.bucket, key))
+
+    def delete_many(self, paths: list[str]) -> None:
+        """Delete ``paths`` with DeleteObjects, 1,000 a request; what is gone already is fine. The
+        first key the server refuses raises, as ``delete`` would."""
+        for at in range(0, len(paths), _DELETE_BATCH):
+            keys = [self._root + path for path in paths[at:at + _DELETE_BATCH]]
+            _, failed = self._send("delete", keys[0], lambda keys=keys: self._requests.delete_many(self.bucket, keys))
+            for key, code in failed:
+                if code not in _MISSING_CODES:
+                    raise map_error(S3Error("DeleteObjects", 200, code), op="delete", url=self._url(key))
 
     def copy(self, src: str, dst: str) -> ObjectInfo:
         key = self._root + dst
-        source = {"Bucket": self.bucket, "Key": self._root + src}
-        self._simple("copy", key, "copy_object", Bucket=self.bucket, Key=key, CopySource=source)
+        self._send("copy", key, lambda: self._requests.copy(self.bucket, self._root + src, key))
         return self.head(dst)
 
     def make_dir(self, path: str) -> None:
         key = f"{self._root}{path}/"
-        self._simple("put", key, "put_object", Bucket=self.bucket, Key=key, Body=b"")
+        self._send("put", key, lambda: self._requests.put(self.bucket, key, b""))
 
     def remove_dir(self, path: str) -> None:
         self.delete(path + "/")
@@ -538,12 +496,7 @@ class S3Store(ObjectStore):
     def close(self) -> None:
         if self._async_getter is not None:
             self._async_getter.close()
-        self._client.close()
-
-
-def _md5(data: bytes) -> str:
-    """Content-MD5: the server rejects a body damaged in transit."""
-    return base64.b64encode(hashlib.md5(data).digest()).decode()
+        self._requests.close()
 
 
 def _add_dir(dirs: dict[str, None], rel: str) -> None:

@@ -336,25 +336,28 @@ def write_whole_file(doomed: list[Path], tmp: Path, final: Path, blocks: list[tu
             digests = _copy_blocks(fd, buf, blocks, chunk_size)
             os.ftruncate(fd, data_len)
             _finish(fd, fsync, BlockHeader.encode_digests(data_len, chunk_size, digests))
+        except OSError as exc:
+            if buf is None or exc.errno != errno.EINVAL or isinstance(exc, NoXattrs):
+                raise
+        else:
+            return
         finally:
             os.close(fd)
             if buf is not None:
-                direct._give(buf)
+                direct.give(buf)
+        os.unlink(tmp)                      # an alignment this device refuses: buffered it is
+        direct.refuse(tmp.parent)
+        write()
     _publish(tmp, final, write)
     return errors
 
 
 def _open_whole(tmp: Path, direct: DirectWrites | None, block: int) -> tuple[int, mmap.mmap | None]:
     """The new file, O_DIRECT with an aligned buffer of one block where the file system takes it."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    if direct is not None and not (direct.refused and _device(tmp.parent) in direct.refused):
-        try:
-            return os.open(tmp, flags | os.O_DIRECT, 0o644), direct._take(round_up(block, HEADER_ALIGN))
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            direct._refuse(tmp.parent)
-    return os.open(tmp, flags, 0o644), None
+    fd = direct.open(tmp) if direct is not None else None
+    if fd is not None:
+        return fd, direct.take(round_up(block, HEADER_ALIGN))
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), None
 
 
 def _copy_blocks(fd: int, buf: mmap.mmap | None, blocks: list[tuple[str, int]], chunk_size: int) -> list[int]:
@@ -390,13 +393,23 @@ def _write_at(fd: int, buf: mmap.mmap | None, data: bytes, offset: int) -> None:
             done = os.pwrite(fd, view, offset)
             view, offset = view[done:], offset + done
         return
-    padded = round_up(len(data), HEADER_ALIGN)
-    buf[:len(data)] = data
-    buf[len(data):padded] = bytes(padded - len(data))
+    _pwrite_padded(fd, buf, (data,), offset)
+
+
+def _pwrite_padded(fd: int, buf: mmap.mmap, parts: tuple[bytes, ...], offset: int) -> int:
+    """Copy ``parts`` one after another into the aligned ``buf``, zero-pad to a ``HEADER_ALIGN``
+    multiple and pwrite that at ``offset`` (an O_DIRECT write); the bytes of ``parts``."""
+    at = 0
+    for part in parts:
+        buf[at:at + len(part)] = part
+        at += len(part)
+    padded = round_up(at, HEADER_ALIGN)
+    buf[at:padded] = bytes(padded - at)
     with memoryview(buf) as view:
         done = 0
         while done < padded:
             done += os.pwritev(fd, [view[done:padded]], offset + done)
+    return at
 
 
 def _finish(fd: int, fsync: bool, xattr: bytes | None) -> None:
@@ -442,59 +455,61 @@ class DirectWrites:
     def write(self, tmp: Path, header: bytes, data: bytes, fsync: bool, xattr: bytes | None = None) -> bool:
         """Write ``header + data`` as the new file ``tmp``; False (and no file) when its file
         system refuses O_DIRECT: the caller then writes it buffered."""
-        if self.refused and _device(tmp.parent) in self.refused:
-            return False
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._refuse(tmp.parent)
+        fd = self.open(tmp)
+        if fd is None:
             return False
         total = len(header) + len(data)
-        padded = round_up(total, HEADER_ALIGN)
-        buf = self._take(padded)
+        buf = self.take(round_up(total, HEADER_ALIGN))
         try:
-            buf[:len(header)] = header
-            buf[len(header):total] = data
-            buf[total:padded] = bytes(padded - total)
-            with memoryview(buf) as view:
-                done = 0
-                while done < padded:
-                    done += os.pwritev(fd, [view[done:padded]], done)
-            if padded != total:
+            _pwrite_padded(fd, buf, (header, data), 0)
+            if total % HEADER_ALIGN:
                 os.ftruncate(fd, total)
             _finish(fd, fsync, xattr)
         except OSError as exc:
             if exc.errno != errno.EINVAL or isinstance(exc, NoXattrs):    # the caller removes tmp
                 raise
             os.unlink(tmp)                         # an alignment this device refuses: buffered it is
-            self._refuse(tmp.parent)
+            self.refuse(tmp.parent)
             return False
         finally:
-            self._give(buf)
+            self.give(buf)
             os.close(fd)
         return True
+
+    def open(self, tmp: Path) -> int | None:
+        """The new file ``tmp`` opened O_DIRECT for writing, or None (and no file) where its file
+        system refuses O_DIRECT."""
+        if self.refused and _device(tmp.parent) in self.refused:
+            return None
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.refuse(tmp.parent)
+            return None
 
     def mode(self) -> str:
         """How block files are written now: ``O_DIRECT``, or buffered after a refusal."""
         return "buffered (O_DIRECT refused)" if self.refused else "O_DIRECT"
 
-    def _refuse(self, directory: Path) -> None:
+    def refuse(self, directory: Path) -> None:
+        """Write buffered from now on on the file system of ``directory`` (it refused O_DIRECT)."""
         device = _device(directory)
         if device not in self.refused:
             self.refused.add(device)
             log.info("disk tier: the file system of %s refuses O_DIRECT; block files are written "
                      "through the page cache", directory)
 
-    def _take(self, size: int) -> mmap.mmap:
+    def take(self, size: int) -> mmap.mmap:
+        """A page-aligned buffer of at least ``size`` bytes, from the pool when one fits."""
         with self._lock:
             for i, buf in enumerate(self._free):
                 if len(buf) >= size:
                     return self._free.pop(i)
         return mmap.mmap(-1, round_up(size, 1 << 20))     # anonymous mappings are page-aligned
 
-    def _give(self, buf: mmap.mmap) -> None:
+    def give(self, buf: mmap.mmap) -> None:
         """Back to the pool; past ``keep`` buffers or ``keep_bytes`` the smallest go. Dropping the
         one handed back instead let a few small buffers (a shard's tail block, an index file) hold
         the pool for good while every large write mapped, faulted in and unmapped one of its own."""
