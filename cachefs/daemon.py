@@ -24,7 +24,6 @@ import trio
 
 from cachefs import __version__, fuse
 from cachefs.config import FIXED_OPTIONS, MountConfig
-from cachefs.control.cachefds import CacheFds
 from cachefs.control.commands import command_table
 from cachefs.control.server import Control
 from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError, NoSuchKey
@@ -44,9 +43,10 @@ from cachefs.namespace.catalog import Catalog
 from cachefs.namespace.ids import IdLog
 from cachefs.namespace.listahead import ListAhead
 from cachefs.namespace.nodes import CONTROL_INODE
-from cachefs.namespace.packed import PackedView, open_packed
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
+from cachefs.packed.channel import LoaderChannel
+from cachefs.packed.view import PackedView, open_packed
 from cachefs.ports import Port
 from cachefs.store import ObjectStore, open_store
 from cachefs.tiers.cache import Tiers
@@ -139,11 +139,13 @@ class Daemon:
         commands = command_table(self.status, self.warmer.commands(),
                                  self._sync_command if self.writeback is not None else None,
                                  self._restart if link is not None else None)
-        self.control = Control(lambda: self.vfs.new_fh(CONTROL_INODE), commands, owner_uid=uid)
+        # packed mounts: local loaders read the cache files (cachefs.data), named in the handshake
+        self.loader_channel = (LoaderChannel(cfg.cache_dir, self.packed, self.tiers, shard_read=shard_read)
+                               if self.packed is not None else None)
+        self.control = Control(lambda: self.vfs.new_fh(CONTROL_INODE), commands, owner_uid=uid,
+                               advertised=self._advertised)
         self.lister = (ListAhead(self.catalog, store, cfg.list_ahead)      # folders listed at mount
                        if cfg.list_ahead and self.packed is None else None)
-        # packed mounts: local loaders read the cache files (cachefs.data)
-        self.cache_fds = CacheFds(cfg.cache_dir, self.packed, self.tiers) if self.packed is not None else None
         self.ops = Operations(self.vfs, self.control, metrics, self.fuse.kernel, uid=uid, gid=gid,
                               idle_backing_bytes=cfg.cache_size // 4, file_mode=cfg.file_mode,
                               dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
@@ -154,6 +156,10 @@ class Daemon:
             self.ops.restore_backings(self.ids.known.backings)
             log.info("taking over %s: %d node id(s) and %d backing id(s) of the previous daemon", cfg.mountpoint,
                      len(self.ids.known.nodes), len(self.ids.known.backings))
+
+    def _advertised(self) -> dict:
+        """What the control handshake tells a client beyond the protocol: the loader channel."""
+        return {"loader_channel": self.loader_channel.advertised() if self.loader_channel is not None else None}
 
     def status(self) -> dict:
         m = self.metrics
@@ -178,8 +184,9 @@ class Daemon:
                 "packed_crc_errors": int(m.counter_value("cachefs_packed_crc_errors_total")),
                 "listing": self.lister.status() if self.lister else None,
                 "fuse": self.fuse.status(),
-                "loader_fds": ({"socket": str(self.cache_fds.path), "served": self.cache_fds.served}
-                               if self.cache_fds is not None and self.cache_fds.listening else None),
+                "loader_fds": ({"socket": str(self.loader_channel.path), "served": self.loader_channel.served,
+                                "warms": self.loader_channel.warms}
+                               if self.loader_channel is not None and self.loader_channel.listening else None),
                 "writeback": self.writeback.status() if self.writeback else None,
                 "keeper": self.link.status() if self.link is not None else None,
                 "warmup": self.warmer.status()}
@@ -322,8 +329,8 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
                 nursery.start_soon(_tune_then_ready, daemon, on_ready)
                 if daemon.lister is not None:
                     nursery.start_soon(daemon.lister.run)
-                if daemon.cache_fds is not None:
-                    await nursery.start(daemon.cache_fds.run)
+                if daemon.loader_channel is not None:
+                    await nursery.start(daemon.loader_channel.run)
                 await daemon.fuse.serve()
             unmount = stop.signalled and not daemon.handing_over    # otherwise the kernel side already unmounted
         finally:

@@ -32,13 +32,11 @@ CONTROL_NAME = ".cachefs-control"    # the hidden control file at the root of ev
 PROTOCOL_VERSION = 1                 # raise it when a request or reply changes shape
 MIN_PROTOCOL_VERSION = 1             # the oldest client protocol this daemon still answers
 MAX_REQUEST = 1 << 20                # bytes in one request (a manifest is sent in parts)
-HELLO = "hello"                      # the handshake: {"protocol", "version", "commands", "restricted"}
+HELLO = "hello"                      # the handshake: {"protocol", "version", "commands", "restricted",
+                                     #   "may_change", "loader_channel": {"socket", "wire"} or None}
 IOCTL_PIECE = 4096                   # bytes of one ioctl's buffer (a 4-byte length, then data)
 IOCTL_SEND = 0x40000000 | (IOCTL_PIECE << 16) | (ord("C") << 8) | 1      # _IOW('C', 1, 4096)
 IOCTL_RECEIVE = 0x80000000 | (IOCTL_PIECE << 16) | (ord("C") << 8) | 2   # _IOR('C', 2, 4096)
-# The cache-file channel for local loaders (control/cachefds.py, data/direct.py): block
-# descriptors in one answer (SCM_RIGHTS carries at most 253).
-CACHE_FILES_PER_ANSWER = 128
 
 
 # ---- requests ------------------------------------------------------------------------------------

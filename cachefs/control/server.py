@@ -56,9 +56,10 @@ class _Session:
 
 class Control:
     def __init__(self, fh_counter: Callable[[], int], commands: dict[str, Command] | None = None,
-                 owner_uid: int | None = None) -> None:
+                 owner_uid: int | None = None, advertised: Callable[[], dict] | None = None) -> None:
         self._new_fh = fh_counter
         self._commands = commands or {}
+        self._advertised = advertised or dict      # more the handshake tells (the loader channel)
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self._sessions: dict[int, _Session] = {}
 
@@ -149,4 +150,4 @@ class Control:
         return {"protocol": protocol.PROTOCOL_VERSION, "min_protocol": protocol.MIN_PROTOCOL_VERSION,
                 "version": __version__, "commands": self.names(),
                 "restricted": sorted(n for n, c in self._commands.items() if c.changes_state),
-                "may_change": self.may_change(caller)}
+                "may_change": self.may_change(caller), **self._advertised()}

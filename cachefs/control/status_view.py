@@ -39,7 +39,8 @@ def render(status: dict) -> str:
         lines.append(f"  listing ahead {listing['state']}: {listing['folders']} folders in {listing['seconds']:.2f} s, "
                      f"{listing['taken']} taken (--list-ahead {listing['limit']} objects)")
     if loader := status.get("loader_fds"):
-        lines.append(f"  local loaders: {loader['served']} cache files handed over ({loader['socket']})")
+        lines.append(f"  local loaders: {loader['served']} cache files handed over, {loader.get('warms', 0)} shard "
+                     f"warms asked for ({loader['socket']})")
     lines.extend(_writeback_lines(status.get("writeback")))
     lines.extend(_warmup_lines(status.get("warmup")))
     return "\n".join(lines)

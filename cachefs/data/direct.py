@@ -2,9 +2,11 @@
 
 In a cachefs mount, every read of a sample is a FUSE request (or a page-cache hit the daemon
 filled through FUSE). When the daemon runs on this machine, it hands the loader read-only
-descriptors of the disk-tier files that hold a shard's blocks (``cachefs.control.cachefds``, a
-unix socket in its cache dir that only its user and root can open), and the loader ``pread``s
-them directly: the short-circuit local read of HDFS and Alluxio.
+descriptors of the disk-tier files that hold a shard's blocks, each with where the block's bytes
+start in it (the loader channel: ``cachefs.packed.wire``, a unix socket in the daemon's cache dir
+that only its user and root can open, named in the daemon's control handshake), and the loader
+``pread``s them directly: the short-circuit local read of HDFS and Alluxio. It knows nothing of
+the cache files' format. It also asks for a shard's warm there (``warm``).
 
 Only blocks the disk tier holds when a process first reads a shard are handed over; a sample in
 any other block is read through the mount as before (which fetches it). The caller checks every
@@ -12,19 +14,17 @@ record's crc32c; a mismatch drops the shard's descriptors and the sample is read
 mount, which verifies and refetches. Descriptors belong to one process (DataLoader workers fork),
 and at most ``keep`` shards' worth are held (``KEEP``; more in a process reading samples by
 reference, which may see the shards of several workers at once). The socket is found once, when
-the dataset is built; anything unexpected there (no daemon, an older one, a socket we may not
-open) turns the channel off for that dataset, silently: the mount still works.
+the dataset is built, from the handshake; anything unexpected there (no daemon, one that speaks
+another wire version, a socket we may not open) turns the channel off for that dataset, silently:
+the mount still works.
 """
 
-import json
 import os
 import socket
 from collections import OrderedDict
 from pathlib import Path
 
-from cachefs.control.protocol import CACHE_FILES_PER_ANSWER
-from cachefs.errors import CorruptBlock
-from cachefs.tiers.disk.format import parse_block
+import cachefs.packed.wire as wire
 
 KEEP = 2
 _TIMEOUT_S = 30.0
@@ -36,7 +36,7 @@ class _Blocks:
     def __init__(self, block_size: int, count: int) -> None:
         self.block_size = block_size
         self.fds: list[int | None] = [None] * count
-        self.offsets: list[int] = [0] * count      # where each file's data starts (its header length)
+        self.offsets: list[int] = [0] * count      # where each block's bytes start in its file
 
     def close(self) -> None:
         for fd in self.fds:
@@ -97,6 +97,20 @@ class DirectShards:
             blocks.close()
         self._shards[shard] = None
 
+    def warm(self, shard: int, name: str) -> bool:
+        """Ask the daemon to warm the whole shard (its shard warm); False when there is no
+        channel, or the daemon has no shard warm on (the caller then reads a byte through the
+        mount, which starts it as well where it is on)."""
+        if self._socket is None:
+            return False
+        try:
+            message, fds = _ask(self._socket, wire.encode_request(wire.Warm(shard, name)))
+            for fd in fds:
+                os.close(fd)
+            return wire.decode_warm(message)
+        except (OSError, wire.WireError):
+            return False
+
     def close(self) -> None:
         if self._pid == os.getpid():
             for blocks in self._shards.values():
@@ -114,7 +128,7 @@ class DirectShards:
         if self._socket is not None:
             try:
                 blocks = self._open(self._socket, shard, name, size)
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, wire.WireError):
                 blocks = None
         while len(self._shards) >= self.keep:
             old = self._shards.popitem(last=False)[1]
@@ -128,24 +142,20 @@ class DirectShards:
         first = 0
         try:
             while blocks is None or first < len(blocks.fds):
-                reply, fds = _ask(path, {"shard": shard, "name": name, "first": first, "count": CACHE_FILES_PER_ANSWER})
+                message, fds = _ask(path, wire.encode_request(wire.Files(shard, name, first)))
                 try:
-                    if not reply.get("ok"):
-                        return None
+                    answer = wire.decode_files(message, len(fds))
                     if blocks is None:
-                        blocks = _Blocks(int(reply["block_size"]), -(-size // int(reply["block_size"])))
-                    listed = reply["blocks"]
-                    if len(listed) != len(fds):
-                        raise ValueError("descriptors and blocks differ in number")
-                    for i, ((index, length), fd) in enumerate(zip(listed, fds, strict=True)):
-                        if 0 <= index < len(blocks.fds) and blocks.fds[index] is None:
-                            blocks.offsets[index] = _data_offset(fd, int(length))
-                            blocks.fds[index], fds[i] = fd, None
+                        blocks = _Blocks(answer.block_size, -(-size // answer.block_size))
+                    for i, extent in enumerate(answer.extents):
+                        if extent.index < len(blocks.fds) and blocks.fds[extent.index] is None:
+                            blocks.offsets[extent.index] = extent.offset
+                            blocks.fds[extent.index], fds[i] = fds[i], None
                 finally:
                     for fd in fds:
                         if fd is not None:
                             os.close(fd)
-                first += CACHE_FILES_PER_ANSWER
+                first += wire.FILES_PER_ANSWER
             return blocks
         except BaseException:
             if blocks is not None:
@@ -154,43 +164,22 @@ class DirectShards:
 
 
 def _find_socket(mount_root: Path) -> str | None:
-    """The channel's socket, from the daemon's status, if this process may connect to it."""
+    """The channel's socket, from the daemon's handshake, if it speaks our wire and this process
+    may connect to it."""
     try:
         from cachefs.control import client
-        events = list(client.request(str(mount_root), "status"))
-        found = (events[-1] if events else {}).get("loader_fds") or {}
-        if found.get("socket") and os.access(found["socket"], os.R_OK | os.W_OK):
+        found = client.hello(str(mount_root)).get("loader_channel") or {}
+        if found.get("wire") == wire.WIRE and found.get("socket") and os.access(found["socket"], os.R_OK | os.W_OK):
             return found["socket"]
     except Exception:       # noqa: BLE001 - no daemon, an older one: read through the mount
         pass
     return None
 
 
-def _ask(path: str, request: dict) -> tuple[dict, list]:
+def _ask(path: str, request: bytes) -> tuple[bytes, list[int]]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(_TIMEOUT_S)
         sock.connect(path)
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, CACHE_FILES_PER_ANSWER)
-        fds = list(fds)
-        try:
-            reply = json.loads(message.split(b"\n", 1)[0])
-        except ValueError:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return reply, fds
-
-
-def _data_offset(fd: int, length: int) -> int:
-    """Where the data of a block file starts; ValueError unless its header is sound, matches the
-    file's size (``format.parse_block``) and says ``length`` bytes (the caller closes the fd)."""
-    try:
-        header, _ = parse_block(fd, 0, os.pread)
-    except CorruptBlock as exc:
-        raise ValueError(f"bad block file: {exc}") from None
-    if header.data_len != length:
-        raise ValueError(f"block file holds {header.data_len} bytes, not {length}")
-    # No WILLNEED here: advising a whole shard's files at once queues all of it (256 MiB) ahead
-    # of the first sample's read; each record's own pread starts just the I/O it needs.
-    return header.length
+        sock.sendall(request)
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, wire.FILES_PER_ANSWER)
+        return message, list(fds)

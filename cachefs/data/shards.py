@@ -113,8 +113,9 @@ class ShardFiles:
         the kernel is asked to read it ahead. In a cachefs mount: ``whole`` reads all of it in
         order into the kernel page cache (the shard being read: its samples are then page-cache
         hits, as with a mapping, but a failed read is only a stop here, never a SIGBUS; the
-        kernel's own WILLNEED advice reads just one readahead window ahead); otherwise one byte,
-        which in a mount starts the daemon's warm of the whole shard (``--shard-warm``)."""
+        kernel's own WILLNEED advice reads just one readahead window ahead); otherwise the daemon
+        is asked to warm the whole shard (``--shard-warm``): on the loader channel where there is
+        one, else by reading one byte through the mount."""
         if whole and self.direct is not None and self.direct.complete(shard, self.names[shard], self.sizes[shard]):
             return                    # read from the daemon's cache files: nothing to warm through the mount
         if self._toucher is None or self._toucher[0] != os.getpid():   # none yet, or a forked worker
@@ -123,6 +124,8 @@ class ShardFiles:
         self._toucher[1].submit(self._touch, shard, whole, self._toucher[2])
 
     def _touch(self, shard: int, whole: bool, stop: threading.Event) -> None:
+        if not whole and self.direct is not None and self.direct.warm(shard, self.names[shard]):
+            return                    # asked on the loader channel: nothing read through the mount
         try:
             fd = os.open(self.root / "shards" / self.names[shard], os.O_RDONLY)
         except OSError:

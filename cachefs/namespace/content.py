@@ -26,7 +26,7 @@ import os
 from cachefs.errors import NeedsWait, StoreError
 from cachefs.namespace.handles import Handle
 from cachefs.namespace.nodes import FsError, Node
-from cachefs.namespace.packed import PackedView
+from cachefs.packed.view import PackedView
 from cachefs.tiers.cache import FileVersion, Tiers
 from cachefs.writeback.engine import Writeback
 

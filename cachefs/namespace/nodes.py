@@ -55,7 +55,7 @@ class Node:
         self.opens = 0
         self.kernel_etag: str | None = None   # the version whose pages the kernel may hold
         self.staged: StagedFile | None = None  # written here, not (yet) retired to the store
-        self.packed = None          # a packed dataset's file: where its bytes are (namespace/packed.py)
+        self.packed = None          # a packed dataset's file: where its bytes are (packed/view.py)
         self.mode: int | None = None  # st_mode a packed dataset's index records (None: the mount's file mode)
         self.row = -1               # a packed dataset's file: its index row (-1: not known)
         self.superseded = False     # a newer version of its path has a node of its own (NodeTable.versioned)

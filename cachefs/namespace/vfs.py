@@ -29,7 +29,7 @@ from cachefs.namespace.dirs import DirHandle, DirState, dir_prefix, join, split
 from cachefs.namespace.handles import Handle, fh_inode
 from cachefs.namespace.ids import IdLog
 from cachefs.namespace.nodes import CONTROL_INODE, ROOT_INODE, FsError, FsStats, Node, NodeTable
-from cachefs.namespace.packed import PACKED_DIR, PackedView
+from cachefs.packed.view import PACKED_DIR, PackedView
 from cachefs.ports import Port
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
@@ -50,7 +50,7 @@ class Vfs(NameChanges, Adoption):
                  versioned_inodes: bool = False) -> None:
         self.store = store
         self.catalog = catalog      # every directory's listing (catalog.py)
-        self.packed = packed        # a packed dataset's view (namespace/packed.py), also the catalog's source
+        self.packed = packed        # a packed dataset's view (packed/view.py), also the catalog's source
         self.wb = writeback         # None: a read-only mount (EROFS)
         self.fsync_remote = fsync_remote
         self._uploaded: dict[str, tuple[ObjectInfo, float]] = {}   # retired lately: for racing listings

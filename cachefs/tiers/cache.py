@@ -47,6 +47,7 @@ from cachefs.tiers.handover import ExactFile, HandOver
 from cachefs.tiers.hedge import Hedger, cancellable_gets
 from cachefs.tiers.key import WHOLE, BlockKey
 from cachefs.tiers.memory import MemoryTier
+from cachefs.tiers.stream import Stream
 from cachefs.tiers.whole import WholeFiles
 
 log = logging.getLogger(__name__)
@@ -72,31 +73,6 @@ class BlockState(NamedTuple):
     memory: bool
     disk: bool
     cost: int             # bytes it takes in the disk tier (header included)
-
-
-class Stream:
-    """Per-handle sequential-access state that drives readahead. ``drop_behind``: a block this
-    reader has read all of leaves the memory tier (the kernel page cache and the disk tier hold
-    it); off for a stream that several readers share (a packed shard's)."""
-
-    __slots__ = ("next_offset", "window", "drop_behind", "ahead", "consumed", "read_to_end")
-
-    def __init__(self, *, drop_behind: bool = True) -> None:
-        self.next_offset = 0
-        self.window = 0
-        self.drop_behind = drop_behind
-        self.ahead: dict[int, trio.CancelScope] = {}     # block index -> its readahead GET under way
-        self.consumed: dict[int, int] = {}               # block index -> bytes of it read (drop_behind)
-        self.read_to_end: FileVersion | None = None      # a large file this reader read the end of
-
-    def advance(self, offset: int, end: int, block_size: int, max_window: int) -> int:
-        """Record a read of [offset, end); return the readahead window in bytes (0: none)."""
-        if offset == self.next_offset and offset > 0:
-            self.window = min(max(self.window * 2, block_size), max_window)
-        elif offset != self.next_offset:
-            self.window = 0
-        self.next_offset = end
-        return self.window
 
 
 class Tiers:
@@ -158,9 +134,13 @@ class Tiers:
     def block_len(self, f: FileVersion, index: int) -> int:
         return min(self.block_size, f.size - index * self.block_size)
 
-    def open_block_file(self, key: BlockKey) -> int | None:
-        """A read-only descriptor of the disk tier's file of ``key`` (None if not there)."""
-        return self.disk.open_block_file(key) if self.disk is not None else None
+    def open_cache_file(self, f: FileVersion, index: int) -> tuple[int, int] | None:
+        """A read-only descriptor of the disk-tier file of block ``index`` of ``f`` and where the
+        block's bytes start in it (the loader channel hands both to a local loader); None when
+        the disk tier does not hold it, or the file's header does not match."""
+        if self.disk is None:
+            return None
+        return self.disk.open_data(self.key(f, index), self.block_len(f, index))
 
     # ---- the read path ---------------------------------------------------------------------
 
@@ -234,6 +214,16 @@ class Tiers:
                 consumed[index] = got
         if len(consumed) > _CONSUMED_MAX:     # a random reader touching many blocks: start again
             consumed.clear()
+
+    # ---- a stream several readers share (a packed shard's) -----------------------------------
+    def blocks_ahead(self, stream: Stream, f: FileVersion, stop: int) -> range:
+        """The blocks of ``f`` the next readahead of ``stream`` after ``stop`` would fetch."""
+        return stream.blocks_ahead(stop, f.size, self.block_size, self.readahead_size)
+
+    def continue_stream(self, stream: Stream, offset: int) -> None:
+        """A read at ``offset`` continues ``stream`` (its window grows, its readahead follows),
+        wherever the reader sharing it read last."""
+        stream.next_offset = offset
 
     # ---- handing cache files to the kernel (FUSE passthrough: handover.py) ----------------------
     def exact_file_now(self, f: FileVersion) -> ExactFile | None:
@@ -505,6 +495,16 @@ class Tiers:
             if keep:
                 self.memory.put(key, data)
         return fetched, await self.disk.warm(key, data)
+
+    def evict_range(self, f: FileVersion, offset: int, length: int) -> None:
+        """Drop the blocks holding bytes [offset, offset+length) of ``f`` from the memory and disk
+        tiers (a packed record that failed its check: the next read fetches them again)."""
+        bs = self.block_size
+        for index in range(offset // bs, (offset + max(length, 1) - 1) // bs + 1):
+            key = self.key(f, index)
+            self.memory.discard(key)
+            if self.disk is not None:
+                self.disk.discard(key)
 
     def evict(self, f: FileVersion) -> tuple[int, int]:
         """Drop every block of ``f`` from every tier (a queued fill is cancelled):

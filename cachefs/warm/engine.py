@@ -36,7 +36,7 @@ from cachefs.errors import NoSuchKey, StoreError, UsageError, VersionChanged
 from cachefs.metrics import Metrics, WarmupMetrics
 from cachefs.namespace.catalog import Catalog
 from cachefs.namespace.dirs import dir_prefix, split
-from cachefs.namespace.packed import PackedView
+from cachefs.packed.view import PackedView
 from cachefs.ports import Port
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers

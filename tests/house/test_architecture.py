@@ -271,3 +271,21 @@ def test_the_architecture_table_says_what_each_package_reads():
         if unsaid or unread:
             wrong.append(f"{paths[0]}: reads {sorted(unsaid)} not listed; lists {sorted(unread)} not read")
     assert wrong == []
+
+
+def test_nothing_outside_the_tiers_reaches_into_them():
+    """``Tiers`` is the tiers' one interface (range eviction, a shared stream's readahead, the
+    loader channel's cache files, observers through ports): outside ``cachefs/tiers/`` and the
+    wiring, no module touches ``tiers.memory`` or ``tiers.disk`` or a private member."""
+    offenders = []
+    for path in CORE.rglob("*.py"):
+        if "tiers" in path.relative_to(CORE).parts or path.name == "daemon.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else owner.id if isinstance(owner, ast.Name) else ""
+            if name == "tiers" and (node.attr in ("memory", "disk") or node.attr.startswith("_")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} tiers.{node.attr}")
+    assert offenders == []

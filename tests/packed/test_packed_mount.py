@@ -20,6 +20,7 @@ from cachefs.cli import main
 from cachefs.data import PackedDataset, PackedIterableDataset
 from cachefs.packfmt import PackExit
 from cachefs.packfmt.index import SHARDS_SCHEMA, parquet_bytes
+from cachefs.packfmt.store_index import open_local_index
 from testing.latency_proxy import LatencyProxy
 from testing.s3 import s3_client
 
@@ -306,7 +307,7 @@ def block_files(cache_dir) -> list:
 
 def test_the_loader_reads_cached_shards_from_the_daemons_files_not_through_fuse(s3_server, proxied,
                                                                                   mount_factory):
-    """A daemon on this machine hands the loader its cache files (control/cachefds.py): once the
+    """A daemon on this machine hands the loader its cache files (packed/channel.py): once the
     shards are on the disk tier, an epoch reads no byte through the mount and sends no GET, even
     with the store gone, and every sample is byte-identical."""
     from testing.s3 import free_port
@@ -335,6 +336,34 @@ def test_the_loader_reads_cached_shards_from_the_daemons_files_not_through_fuse(
     assert "writes O_DIRECT" in shown.stdout and mnt.status()["tiers"]["disk"]["writes"] == "O_DIRECT"
     mnt.umount()
     assert not os.path.exists(channel["socket"])
+
+
+def test_the_loader_asks_for_a_shard_warm_on_the_channel(s3_server, proxied, mount_factory):
+    """Touching a shard (the iterable dataset does it for the shards ahead) asks the daemon's
+    shard warm on the channel, not by reading a byte through the mount: the whole shard is then
+    cached with no FUSE read at all."""
+    from cachefs.data.shards import ShardFiles
+    from testing.s3 import free_port
+    proxy, bucket, client = proxied
+    files = make_files()
+    packed_bucket(s3_server, bucket, client, files, "--shard-size", "1M")
+    port = free_port()
+    mnt = mount(proxy, bucket, mount_factory, "--metrics-port", str(port)).start()
+    shards = ShardFiles(mnt / PACKED, open_local_index(mnt / PACKED)[1])
+    try:
+        assert shards.direct is not None and shards.direct._socket is not None
+        served = bytes_served(port)
+        shards.touch(0)
+        deadline = time.monotonic() + 30
+        while not (warm := mnt.status()["warmup"]["shard_warm"]) or warm["shards"] < 1 or warm["running"] \
+                or warm["queued"]:
+            assert time.monotonic() < deadline, "the shard warm never ran"
+            time.sleep(0.05)
+        assert mnt.status()["loader_fds"]["warms"] == 1
+        assert bytes_served(port) == served                        # nothing read through the mount
+        assert shards.direct.complete(0, shards.names[0], shards.sizes[0])     # all of it on disk now
+    finally:
+        shards.close()
 
 
 def test_dataloader_workers_use_the_channel_the_parent_found(s3_server, proxied, mount_factory, monkeypatch):
@@ -466,14 +495,6 @@ def test_a_bad_manifest_or_index_refuses_the_mount(s3_server, bucket, mount_fact
 
 
 # ---- the read path without a kernel: PackedView over a fake tiers -------------------------------
-class _Discards:
-    def __init__(self, on_discard) -> None:
-        self.on_discard = on_discard
-
-    def discard(self, key) -> None:
-        self.on_discard(key)
-
-
 class FakeTiers:
     """The shard's bytes as the tiers would serve them; ``heal`` fixes them when a block is evicted
     (the refetch from the store then brings the right bytes)."""
@@ -486,15 +507,18 @@ class FakeTiers:
         self.good = bytes(shard)
         self.heal = heal
         self.evicted: set = set()
-        self.memory = self.disk = _Discards(self._discard)
 
-    def _discard(self, key) -> None:
-        self.evicted.add(key[1])
+    def evict_range(self, f, offset, length) -> None:
+        bs = self.block_size
+        self.evicted.update(range(offset // bs, (offset + max(length, 1) - 1) // bs + 1))
         if self.heal:
             self.shard[:] = self.good
 
-    def key(self, f, index):
-        return (f.path, index)
+    def blocks_ahead(self, stream, f, stop):
+        return stream.blocks_ahead(stop, f.size, self.block_size, self.readahead_size)
+
+    def continue_stream(self, stream, offset) -> None:
+        stream.next_offset = offset
 
     async def read(self, f, offset, size, stream=None) -> bytes:
         return bytes(self.shard[offset:offset + size])
@@ -502,7 +526,7 @@ class FakeTiers:
 
 def packed_view(files: dict[str, bytes], heal: bool, corrupt: str):
     from cachefs.metrics import Metrics
-    from cachefs.namespace.packed import PackedView
+    from cachefs.packed.view import PackedView
     from cachefs.packfmt import FILES_SCHEMA, PackedIndex
     from cachefs.packfmt.shard import ShardBuilder
     builder = ShardBuilder(0)
@@ -568,7 +592,7 @@ def test_records_are_checked_when_their_block_comes_from_the_store(monkeypatch):
     """A block that arrives from the store has every record wholly inside it checked: a read of one
     that passed computes no crc of its own. A record across two blocks, one that failed, and one in
     a block this mount never fetched (a cache file from before it) are checked when read."""
-    from cachefs.namespace import packed
+    from cachefs.packed import view as packed
     from cachefs.packfmt import CorruptRecord
     from cachefs.tiers.cache import Stream
     files = {f"f{i}.bin": bytes([i]) * 300 for i in range(8)}
@@ -606,7 +630,7 @@ def test_records_are_checked_when_their_block_comes_from_the_store(monkeypatch):
 @pytest.mark.allow_warnings
 @pytest.mark.parametrize("corrupt", ["big.bin", "a.bin"])
 def test_a_large_record_is_checked_as_it_is_read_in_order(monkeypatch, corrupt):
-    from cachefs.namespace import packed
+    from cachefs.packed import view as packed
     from cachefs.packfmt import CorruptRecord
     from cachefs.tiers.cache import Stream
     monkeypatch.setattr(packed, "VERIFY_WHOLE_MAX", 1000)
@@ -629,7 +653,7 @@ def test_a_file_of_more_than_two_blocks_is_read_with_its_handles_stream(monkeypa
     """A large packed file (a checkpoint in a shard of its own) is read ahead, and its blocks
     dropped behind, as an unpacked file is: with its handle's stream. Smaller files share the
     shard's stream, which keeps its blocks for the files beside them."""
-    from cachefs.namespace import packed
+    from cachefs.packed import view as packed
     from cachefs.tiers.cache import Stream
     monkeypatch.setattr(packed, "VERIFY_WHOLE_MAX", 1000)
     files = {"a.bin": b"a" * 100, "big.bin": random.Random(2).randbytes(5000), "c.bin": b"c" * 2000}

@@ -986,6 +986,27 @@ def test_the_tier_writes_with_o_direct_by_default(tmp_path, monkeypatch):
         assert tier.stats()["writes"] == ("O_DIRECT" if direct_io else "buffered")
 
 
+def test_open_data_gives_a_descriptor_and_where_the_data_starts(tmp_path):
+    """The loader channel's entry: a block file's data starts after its header, an exact file's
+    at 0; a length its header does not say, or a block the tier lacks, gives None."""
+    for exact in (False, True):
+        t = make_tier(tmp_path / str(exact), exact_files=exact)
+        small = BlockKey("s3://bucket", "s.bin", "v1", BS, 0)
+
+        async def body(t=t, small=small):
+            assert await t.fill(key(1), blob(1))
+            assert await t.fill(small, blob(7, 1000))
+        serve(t, body)
+        for k, data in ((key(1), blob(1)), (small, blob(7, 1000))):
+            fd, offset = t.open_data(k, len(data))
+            try:
+                assert os.pread(fd, len(data) + 1, offset) == data
+                assert offset == (0 if exact and k is small else block_format.HEADER_ALIGN)
+            finally:
+                os.close(fd)
+        assert t.open_data(key(1), BS - 1) is None and t.open_data(key(2), BS) is None
+
+
 # ---- whole-object files (FUSE passthrough of a large object) --------------------------------
 
 def large_keys(n: int) -> list[BlockKey]:

@@ -81,6 +81,46 @@ def test_check_reports_the_memory_tier_and_evict_drops_it_there_too(bucket_mem, 
     run_tiers(bucket_mem, tmp_path, body)
 
 
+def test_evict_range_drops_exactly_the_blocks_holding_the_range(bucket_mem, tmp_path):
+    """A packed record that failed its check: the blocks holding it leave both tiers, the others
+    stay, and the next read fetches them again."""
+    data = blob(3, 4 * BS)
+    bucket_mem.put("ds/shard.bin", data)
+
+    async def body(store, tiers):
+        f = bucket_mem.version(store, "ds/shard.bin")
+        assert await warm_file(tiers, f) == (len(data), True)
+        assert await tiers.read(f, BS + 10, 10) == data[BS + 10:BS + 20]      # block 1 in memory too
+        tiers.evict_range(f, BS + 5, BS)                         # the bytes straddle blocks 1 and 2
+        assert where(tiers, f) == [(False, True), (False, False), (False, False), (False, True)]
+        tiers.evict_range(f, 0, 0)                               # an empty record: its one block
+        assert where(tiers, f)[0] == (False, False)
+        gets = len(store.gets)
+        assert await tiers.read(f, BS, 2 * BS) == data[BS:3 * BS]
+        assert len(store.gets) == gets + 2
+
+    run_tiers(bucket_mem, tmp_path, body)
+
+
+def test_a_shared_stream_reads_ahead_of_whichever_reader_read_last(bucket_mem, tmp_path):
+    """``blocks_ahead`` / ``continue_stream``: the entry a packed shard's readers share."""
+    from cachefs.tiers.cache import Stream
+    bucket_mem.put("ds/s.bin", blob(4, 8 * BS))
+
+    async def body(store, tiers):
+        f = bucket_mem.version(store, "ds/s.bin")
+        stream = Stream(drop_behind=False)
+        assert tiers.blocks_ahead(stream, f, 100) == range(0, 2)                 # a block's bytes at first
+        stream.window = BS
+        assert tiers.blocks_ahead(stream, f, BS) == range(1, 3)                  # the window doubles
+        stream.window = 64 * BS
+        assert tiers.blocks_ahead(stream, f, 6 * BS) == range(6, 8)              # never past the end
+        tiers.continue_stream(stream, 3 * BS)
+        assert stream.advance(3 * BS, 4 * BS, BS, tiers.readahead_size) > 0      # read there: continued
+
+    run_tiers(bucket_mem, tmp_path, body)
+
+
 def test_room_shrinks_as_a_held_dataset_fills_and_comes_back_on_release(bucket_mem, tmp_path):
     for i in range(3):
         bucket_mem.put(f"ds/f{i}.bin", blob(10 + i, BS))

@@ -196,10 +196,26 @@ class DiskTier:
         os.close(fd)
         return None
 
+    def open_data(self, key: BlockKey, data_len: int) -> tuple[int, int] | None:
+        """A read-only descriptor of ``key``'s file and where its data starts (its header's
+        length; 0 for an exact file), if the tier holds it and its header is sound and says
+        ``data_len`` bytes; else None. Not verified: the reader checks what it reads."""
+        fd = self.open_block_file(key)
+        if fd is None:
+            return None
+        try:
+            header, _ = fmt.parse_block(fd, 0, os.pread)
+            if header.data_len == data_len:
+                return fd, header.length
+        except (OSError, CorruptBlock):
+            pass
+        os.close(fd)
+        return None
+
     def open_block_file(self, key: BlockKey) -> int | None:
-        """A read-only descriptor of the block's file (for ``control.cachefds``), or None when the
-        tier does not hold it. The file is never rewritten in place (temp + rename) and an
-        evicted one stays readable through the descriptor: its reader sees the checked-in bytes."""
+        """A read-only descriptor of the block's file, or None when the tier does not hold it.
+        The file is never rewritten in place (temp + rename) and an evicted one stays readable
+        through the descriptor: its reader sees the checked-in bytes."""
         if not self.contains(key):
             return None
         try:

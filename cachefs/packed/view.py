@@ -239,16 +239,14 @@ class PackedView:
         start, stop = ref.offset + offset, min(ref.offset + end, ref.file.size)
         if start == 0:
             return stream
-        bs = self.tiers.block_size
         asked = self._asked[path]
-        if len(asked) * bs >= ref.file.size:
+        if len(asked) * self.tiers.block_size >= ref.file.size:
             return None                  # every block asked for once: an epoch's usual case, decided at once
-        window = min(max(stream.window * 2, bs), self.tiers.readahead_size)
-        ahead = range(stop // bs, (min(stop + window, ref.file.size) - 1) // bs + 1)
+        ahead = self.tiers.blocks_ahead(stream, ref.file, stop)
         if all(i in asked for i in ahead):
             return None
         asked.update(ahead)
-        stream.next_offset = start
+        self.tiers.continue_stream(stream, start)
         return stream
 
     async def _whole(self, ref: PackedRef) -> bytes:
@@ -307,12 +305,7 @@ class PackedView:
 
     def evict(self, ref: PackedRef) -> None:
         """Drop the blocks holding the record from the memory and disk tiers."""
-        tiers, bs = self.tiers, self.tiers.block_size
-        for index in range(ref.offset // bs, (ref.offset + max(ref.size, 1) - 1) // bs + 1):
-            key = tiers.key(ref.file, index)
-            tiers.memory.discard(key)
-            if tiers.disk is not None:
-                tiers.disk.discard(key)
+        self.tiers.evict_range(ref.file, ref.offset, ref.size)
 
     # ---- warmup (cachefs/warm/engine.py) -------------------------------------------------------
     def resolve(self, paths: tuple[str, ...], globs: tuple[str, ...], regex_of) -> tuple[list[ObjectInfo], list[str]]:
