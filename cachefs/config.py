@@ -216,6 +216,12 @@ class MountConfig:
     def staging_path(self) -> str:
         return self.staging_dir or os.path.join(self.cache_dir, "staging")
 
+    @property
+    def owner(self) -> tuple[int, int]:
+        """The uid and gid the mount's files belong to (and who may change its state): --uid and
+        --gid, else the user who mounts."""
+        return (os.getuid() if self.uid is None else self.uid, os.getgid() if self.gid is None else self.gid)
+
     def block_size_for(self, packed: bool) -> int:
         """The cache block size of the mount: the one set, else the default for what it mounts (the
         packed one where the memory tier holds two such blocks)."""

@@ -48,13 +48,12 @@ from cachefs.namespace.vfs import Vfs
 from cachefs.packed.channel import LoaderChannel
 from cachefs.packed.view import PackedView, open_packed
 from cachefs.ports import Port
-from cachefs.store import ObjectStore, open_store
+from cachefs.store import ObjectStore, store_of
 from cachefs.tiers.cache import Tiers
 from cachefs.tiers.disk import DiskTier
-from cachefs.tiers.hedge import HedgePolicy, Hedger
 from cachefs.tiers.memory import MemoryTier
 from cachefs.warm.engine import Warmer
-from cachefs.writeback.engine import SyncPolicy, Writeback
+from cachefs.writeback.engine import Writeback, WritebackOptions
 from cachefs.writeback.journal import Journal
 
 if TYPE_CHECKING:
@@ -79,19 +78,13 @@ class Daemon:
         cloned = Port("cloned")             # FUSE session -> the keeper (each request loop's descriptor)
         if link is not None:
             cloned.connect(link.clone)
-        self.fuse = fuse.backend(cfg.fuse_backend, fuse.SessionOptions(
-            max_background=cfg.fuse_max_background, congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4),
-            passthrough=no_passthrough is None, loops=cfg.fuse_loops,
-            inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if link is not None else None), cloned)
+        self.fuse = fuse.backend(cfg.fuse_backend, fuse.SessionOptions.from_config(
+            cfg, passthrough=no_passthrough is None, kept=link is not None), cloned)
         self.store = store
         self.metrics = metrics
         self.started = time.time()
         self.exporter: Exporter | None = None
-        self.disk = DiskTier(os.path.join(cfg.cache_dir, "blocks"), capacity=cfg.cache_size,
-                             free_space_ratio=cfg.free_space_ratio, metrics=metrics,
-                             fsync=cfg.fsync_cache_files, fill_workers=cfg.fill_workers,
-                             direct_io=cfg.cache_direct_io, exact_files=no_passthrough is None,
-                             max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20))
+        self.disk = DiskTier.from_config(cfg, metrics, exact_files=no_passthrough is None)
         self.memory = MemoryTier(cfg.mem_cache_size, metrics)
         # The calls upward (cachefs/ports.py), wired here and nowhere else: who makes each, who answers.
         first_read = Port("first_read")     # Tiers -> Warmer's dataset watch (--prefetch-dataset)
@@ -101,13 +94,8 @@ class Daemon:
         barrier = Port("barrier")           # Writeback -> Vfs's listing snapshot (rows durable first)
         listed = Port("listed")             # Catalog -> Vfs (a listing taken: lay the staged changes over it)
         versioned = Port("versioned")       # Catalog -> Vfs (a warmup saw a newer version of a file)
-        # max_prefetches keeps the --max-prefetches option's old name; it bounds readahead GETs
-        self.tiers = Tiers(store, self.memory, self.disk, metrics,
-                           block_size=cfg.block_size_for(packed is not None),
-                           readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
-                           max_readaheads=cfg.max_prefetches, hedger=Hedger(HedgePolicy(
-                               cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay), metrics),
-                           readahead_at_lookup=cfg.readahead_at_lookup, first_read=first_read, fetched=fetched)
+        self.tiers = Tiers.from_config(cfg, store, self.memory, self.disk, metrics, packed=packed is not None,
+                                       first_read=first_read, fetched=fetched)
         # a packed dataset (cachefs pack): its index is the listing; read-only, immutable while mounted
         self.packed = (PackedView(store, *packed, self.tiers, metrics, fetched=fetched, shard_read=shard_read)
                        if packed is not None else None)
@@ -130,25 +118,19 @@ class Daemon:
                        packed=self.packed, listed=listed, versioned=versioned, retired=retired, barrier=barrier,
                        ids=self.ids, generation=link.go.get("generation", 0) if link is not None else 0,
                        versioned_inodes=no_passthrough is None and not immutable)
-        self.warmer = Warmer(self.catalog, self.tiers, store, metrics, packed=self.packed,
-                             max_concurrency=max(1, cfg.max_connections - 8), immutable=cfg.immutable,
-                             dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget,
-                             shard_warm=cfg.shard_warm, first_read=first_read, shard_read=shard_read)
-        uid = os.getuid() if cfg.uid is None else cfg.uid
-        gid = os.getgid() if cfg.gid is None else cfg.gid
+        self.warmer = Warmer.from_config(cfg, self.catalog, self.tiers, store, metrics, packed=self.packed,
+                                         first_read=first_read, shard_read=shard_read)
         commands = command_table(self.status, self.warmer.commands(),
                                  self._sync_command if self.writeback is not None else None,
                                  self._restart if link is not None else None)
         # packed mounts: local loaders read the cache files (cachefs.data), named in the handshake
         self.loader_channel = (LoaderChannel(cfg.cache_dir, self.packed, self.tiers, shard_read=shard_read)
                                if self.packed is not None else None)
-        self.control = Control(lambda: self.vfs.new_fh(CONTROL_INODE), commands, owner_uid=uid,
+        self.control = Control(lambda: self.vfs.new_fh(CONTROL_INODE), commands, owner_uid=cfg.owner[0],
                                advertised=self._advertised)
         self.lister = (ListAhead(self.catalog, store, cfg.list_ahead)      # folders listed at mount
                        if cfg.list_ahead and self.packed is None else None)
-        self.ops = Operations(self.vfs, self.control, metrics, self.fuse.kernel, uid=uid, gid=gid,
-                              idle_backing_bytes=cfg.cache_size // 4, file_mode=cfg.file_mode,
-                              dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl, immutable=immutable)
+        self.ops = Operations.from_config(cfg, self.vfs, self.control, metrics, self.fuse.kernel, immutable=immutable)
         if link is not None:
             metrics.takeovers.set(link.go.get("generation", 0))
         if link is not None and link.takeover:
@@ -215,10 +197,7 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None], link: Link | None = No
     tune_malloc()
     metrics = Metrics()
     metrics.describe_mount(cfg.mountpoint, cfg.url, cfg.volume_id)
-    store = open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                       profile=cfg.profile, max_connections=cfg.max_connections,
-                       connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
-                       max_attempts=cfg.max_attempts, lean_requests=cfg.lean_requests)
+    store = store_of(cfg, metrics=metrics)
     if link is not None:
         link.wait_go()          # a standby waits here
     started = time.monotonic()
@@ -261,10 +240,7 @@ def _writeback(cfg: MountConfig, store: ObjectStore, metrics: Metrics, retired: 
         journal = Journal(cfg.staging_path)
     except OSError as exc:
         raise CacheDirError(f"staging dir {cfg.staging_path}: {exc.strerror}") from None
-    return Writeback(store, journal, SyncPolicy.from_config(cfg), metrics, staging_size=cfg.staging_size,
-                     staging_wait=cfg.staging_wait, part_size=cfg.upload_part_size,
-                     upload_concurrency=cfg.upload_concurrency, log_concurrency=cfg.log_upload_concurrency,
-                     retired=retired, barrier=barrier)
+    return Writeback(store, journal, WritebackOptions.from_config(cfg), metrics, retired=retired, barrier=barrier)
 
 
 def check_store(store: ObjectStore, cfg: MountConfig) -> None:

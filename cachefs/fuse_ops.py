@@ -105,6 +105,18 @@ def _describe(ops: "Operations", args: tuple) -> str:
 
 
 class Operations:
+    @classmethod
+    def from_config(cls, cfg, vfs: Vfs, control: Control, metrics: Metrics, kernel, *,
+                    immutable: bool) -> "Operations":
+        """The operations of a mount (``cfg``: its MountConfig; ``immutable``: the dataset never
+        changes while mounted, by option or being packed). Files and directories belong to
+        ``--uid``/``--gid``, else the user who mounts; idle backing files keep at most a quarter
+        of the disk tier."""
+        uid, gid = cfg.owner
+        return cls(vfs, control, metrics, kernel, uid=uid, gid=gid, idle_backing_bytes=cfg.cache_size // 4,
+                   file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl,
+                   immutable=immutable)
+
     def __init__(self, vfs: Vfs, control: Control, metrics: Metrics, kernel, *, uid: int, gid: int,
                  file_mode: int, dir_mode: int, metadata_ttl: float, immutable: bool,
                  idle_backing_bytes: int = 4 << 30) -> None:

@@ -23,7 +23,7 @@ from cachefs.ports import Port
 from cachefs.store import ObjectStore
 from cachefs.writeback.engine import Writeback
 from cachefs.writeback.journal import Journal
-from cachefs.writeback.policy import SyncPolicy
+from cachefs.writeback.policy import SyncPolicy, WritebackOptions
 
 
 def make_policy(*, log_period: float = 600.0, quiet: float = 600.0, checkpoint: float = 600.0,
@@ -45,9 +45,9 @@ def make_stack(store: ObjectStore, staging: str, *, policy: SyncPolicy | None = 
                fsync_remote: bool = False, ttl: float = 60.0) -> tuple[Vfs, Writeback]:
     metrics = metrics or Metrics()
     retired, barrier = Port("retired"), Port("barrier")     # wired as daemon.py wires them
-    wb = Writeback(store, Journal(staging, fsync=False), policy or make_policy(), metrics,
-                   staging_size=staging_size, staging_wait=staging_wait, part_size=part_size,
-                   upload_concurrency=4, log_concurrency=2, retired=retired, barrier=barrier)
+    options = WritebackOptions(policy or make_policy(), staging_size=staging_size, staging_wait=staging_wait,
+                               part_size=part_size, upload_concurrency=4, log_concurrency=2)
+    wb = Writeback(store, Journal(staging, fsync=False), options, metrics, retired=retired, barrier=barrier)
     blocks = make_cache(store, metrics)    # the read path, as its own tests build it
     vfs = build_vfs(store, blocks, ttl=ttl, writeback=wb, fsync_remote=fsync_remote, retired=retired,
                     barrier=barrier)

@@ -59,6 +59,14 @@ class SessionOptions:
     loops: int = 0                      # extra request loops: threads reading cloned descriptors
     inflight: str | None = None         # the in-flight log's path (a mount under a keeper)
 
+    @classmethod
+    def from_config(cls, cfg, *, passthrough: bool, kept: bool) -> "SessionOptions":
+        """A mount's session (``cfg``: its MountConfig): congestion at 3/4 of the background
+        requests; the in-flight log in the cache dir where a keeper keeps the mount (``kept``)."""
+        return cls(max_background=cfg.fuse_max_background,
+                   congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4), passthrough=passthrough,
+                   loops=cfg.fuse_loops, inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if kept else None)
+
 
 @dataclass(slots=True)
 class Negotiated:

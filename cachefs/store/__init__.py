@@ -10,7 +10,7 @@ from cachefs.metrics import Metrics
 from cachefs.store.base import Listing, ObjectInfo, ObjectStore
 from cachefs.store.url import StoreURL, parse_url
 
-__all__ = ["Listing", "ObjectInfo", "ObjectStore", "StoreURL", "open_store", "parse_endpoint", "parse_url"]
+__all__ = ["Listing", "ObjectInfo", "ObjectStore", "StoreURL", "open_store", "parse_endpoint", "parse_url", "store_of"]
 
 
 def _open_s3(url: str, parsed: StoreURL, metrics: Metrics, options: dict, max_attempts: int) -> ObjectStore:
@@ -25,6 +25,14 @@ def _open_fsspec(url: str, parsed: StoreURL, metrics: Metrics, options: dict, ma
 
 
 _OPENERS = {"s3": _open_s3}
+
+
+def store_of(cfg, *, metrics: Metrics) -> ObjectStore:
+    """The store a mount's configuration (``cfg``: a MountConfig) names, with its store options."""
+    return open_store(cfg.url, metrics=metrics, endpoint_url=cfg.endpoint_url, region=cfg.region,
+                      profile=cfg.profile, max_connections=cfg.max_connections,
+                      connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
+                      max_attempts=cfg.max_attempts, lean_requests=cfg.lean_requests)
 
 
 def open_store(url: str, *, metrics: Metrics, endpoint_url: str | None = None, region: str | None = None,

@@ -44,7 +44,7 @@ from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectStore
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.handover import ExactFile, HandOver
-from cachefs.tiers.hedge import Hedger, cancellable_gets
+from cachefs.tiers.hedge import HedgePolicy, Hedger, cancellable_gets
 from cachefs.tiers.key import WHOLE, BlockKey
 from cachefs.tiers.memory import MemoryTier
 from cachefs.tiers.stream import Stream
@@ -76,6 +76,18 @@ class BlockState(NamedTuple):
 
 
 class Tiers:
+    @classmethod
+    def from_config(cls, cfg, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
+                    packed: bool, first_read: Port | None = None, fetched: Port | None = None) -> "Tiers":
+        """The tiers of a mount (``cfg``: its MountConfig; ``packed``: a packed dataset's mount,
+        whose blocks default to the packer's part size). ``max_prefetches`` keeps the option's
+        old name; it bounds readahead GETs."""
+        policy = HedgePolicy(cfg.hedge_percentile, cfg.hedge_budget, cfg.hedge_min_delay)
+        return cls(store, memory, disk, metrics, block_size=cfg.block_size_for(packed),
+                   readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
+                   max_readaheads=cfg.max_prefetches, hedger=Hedger(policy, metrics),
+                   readahead_at_lookup=cfg.readahead_at_lookup, first_read=first_read, fetched=fetched)
+
     def __init__(self, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
                  block_size: int, readahead_size: int, max_fetches: int, max_readaheads: int,
                  hedger: Hedger | None = None, readahead_at_lookup: bool = False, first_read: Port | None = None,

@@ -51,6 +51,16 @@ MAX_UPLOAD_PATHS = 10_000_000
 class Warmer:
     """Runs warm jobs (``cachefs warmup``, and the ``--prefetch-dataset`` watch) over ``tiers``."""
 
+    @classmethod
+    def from_config(cls, cfg, catalog: Catalog, tiers: Tiers, store: ObjectStore, metrics: Metrics, *,
+                    packed: PackedView | None = None, first_read: Port | None = None,
+                    shard_read: Port | None = None) -> "Warmer":
+        """The warm engine of a mount (``cfg``: its MountConfig): GETs at most the connection
+        pool less 8 (left to readers)."""
+        return cls(catalog, tiers, store, metrics, packed=packed, max_concurrency=max(1, cfg.max_connections - 8),
+                   immutable=cfg.immutable, dataset_watch=cfg.prefetch_dataset, dataset_budget=cfg.prefetch_budget,
+                   shard_warm=cfg.shard_warm, first_read=first_read, shard_read=shard_read)
+
     def __init__(self, catalog: Catalog, tiers: Tiers, store: ObjectStore, metrics: Metrics, *,
                  packed: PackedView | None = None, max_concurrency: int, immutable: bool = False,
                  dataset_watch: bool = False, dataset_budget: int = 0, shard_warm: bool = False,

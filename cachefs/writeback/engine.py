@@ -41,7 +41,7 @@ from cachefs.writeback import status as _status
 from cachefs.writeback.fence import JournalGuard
 from cachefs.writeback.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record
 from cachefs.writeback.overlay import DirOverlay, overlay
-from cachefs.writeback.policy import CHECKPOINT, CLASSES, LOG, MAX_PARTS, SyncPolicy, part_size_for
+from cachefs.writeback.policy import CHECKPOINT, CLASSES, LOG, MAX_PARTS, SyncPolicy, WritebackOptions, part_size_for
 from cachefs.writeback.staged import (
     UNTOUCHED,
     PendingOp,
@@ -55,7 +55,8 @@ from cachefs.writeback.staged import (
 )
 from cachefs.writeback.uploader import Uploader
 
-__all__ = ["CHECKPOINT", "CLASSES", "LOG", "MAX_PARTS", "StagedFile", "SyncPolicy", "Writeback", "part_size_for"]
+__all__ = ["CHECKPOINT", "CLASSES", "LOG", "MAX_PARTS", "StagedFile", "SyncPolicy", "Writeback", "WritebackOptions",
+           "part_size_for"]
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +70,13 @@ def _backoff(failures: int) -> float:
 
 
 class Writeback:
-    def __init__(self, store: ObjectStore, journal: Journal, policy: SyncPolicy, metrics: Metrics, *,
-                 staging_size: int, staging_wait: float, part_size: int, upload_concurrency: int,
-                 log_concurrency: int, retired: Port | None = None, barrier: Port | None = None) -> None:
+    def __init__(self, store: ObjectStore, journal: Journal, options: WritebackOptions, metrics: Metrics, *,
+                 retired: Port | None = None, barrier: Port | None = None) -> None:
         self.store = store
         self.journal = journal
-        self.policy = policy
-        self.staging_size = staging_size
-        self.staging_wait = staging_wait
+        self.policy = options.policy
+        self.staging_size = options.staging_size
+        self.staging_wait = options.staging_wait
         self.staged_bytes = 0
         # a staged file reached the store (the namespace shows it); a record is about to go (the
         # listing snapshot makes its rows durable first): ports the wiring connects (cachefs/ports.py)
@@ -88,8 +88,8 @@ class Writeback:
         self._m = WritebackMetrics(metrics)
         self._guard = JournalGuard(journal, self._io, self._m,      # journal I/O; fences a failing cache dir
                                    barrier if barrier is not None else Port("barrier"))
-        self._uploader = Uploader(store, self._guard, part_size=part_size, upload_concurrency=upload_concurrency,
-                                  log_concurrency=log_concurrency)
+        self._uploader = Uploader(store, self._guard, part_size=options.part_size,
+                                  upload_concurrency=options.upload_concurrency, log_concurrency=options.log_concurrency)
         self._busy: set[str] = set()
         self._copyups = SingleFlight()
         self._wake = trio.Event()

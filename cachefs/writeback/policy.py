@@ -51,3 +51,20 @@ def part_size_for(size: int, configured: int) -> int:
         return configured
     needed = -(-size // MAX_PARTS)
     return -(-needed // (1 << 20)) << 20
+
+
+@dataclass(frozen=True, slots=True)
+class WritebackOptions:
+    """What a mount's configuration says of its write-back: the sync classes, the staging area's
+    size and how long a write waits for room in it, the part size and the uploads at once."""
+    policy: SyncPolicy
+    staging_size: int
+    staging_wait: float
+    part_size: int
+    upload_concurrency: int
+    log_concurrency: int
+
+    @classmethod
+    def from_config(cls, cfg) -> "WritebackOptions":
+        return cls(SyncPolicy.from_config(cfg), cfg.staging_size, cfg.staging_wait, cfg.upload_part_size,
+                   cfg.upload_concurrency, cfg.log_upload_concurrency)

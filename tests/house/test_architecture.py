@@ -289,3 +289,26 @@ def test_nothing_outside_the_tiers_reaches_into_them():
             if name == "tiers" and (node.attr in ("memory", "disk") or node.attr.startswith("_")):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} tiers.{node.attr}")
     assert offenders == []
+
+
+def test_every_option_is_read_and_the_wiring_threads_few():
+    """Each component builds its own options from the mount config (``from_config``): every
+    option is read somewhere, and daemon.py reads only what the wiring itself decides on."""
+    from cachefs.config import option_fields
+    names = {f.name for f in option_fields()}
+    read, in_daemon = set(), set()
+    for path in [*CORE.rglob("*.py"), *(ROOT / "csi").rglob("*.py")]:
+        if "_proto" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name)
+                    and node.value.id in ("cfg", "config", "self")):
+                read.add(node.attr)
+                if path.name == "daemon.py" and node.value.id == "cfg":
+                    in_daemon.add(node.attr)
+    assert names - read == set(), "options nothing reads"
+    # the mount's identity and places, and what decides which parts exist
+    assert in_daemon <= {"url", "mountpoint", "cache_dir", "volume_id", "staging_path", "immutable", "writable",
+                         "fuse_backend", "fsync", "list_ahead", "metadata_ttl", "mem_cache_size", "allow_other",
+                         "metrics_port", "metrics_host", "drain_timeout", "cache_size", "allow_empty_prefix",
+                         "fuse_read_ahead_kb", "fuse_max_background", "log_level", "owner"}, sorted(in_daemon)

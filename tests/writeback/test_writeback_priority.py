@@ -7,7 +7,7 @@ import trio
 
 from cachefs.metrics import Metrics
 from cachefs.store import ObjectInfo
-from cachefs.writeback.engine import SyncPolicy, Writeback
+from cachefs.writeback.engine import SyncPolicy, Writeback, WritebackOptions
 from cachefs.writeback.journal import Journal
 
 
@@ -48,8 +48,8 @@ class SlowStore:
 def test_checkpoint_parts_wait_for_a_log_upload(tmp_path):
     store = SlowStore()
     policy = SyncPolicy(("*.log",), ("*.pt",), 1 << 20, 600.0, 600.0, 600.0)
-    wb = Writeback(store, Journal(str(tmp_path)), policy, Metrics(), staging_size=1 << 30, staging_wait=1,
-                   part_size=1000, upload_concurrency=1, log_concurrency=1)
+    wb = Writeback(store, Journal(str(tmp_path)), WritebackOptions(policy, staging_size=1 << 30, staging_wait=1,
+                   part_size=1000, upload_concurrency=1, log_concurrency=1), Metrics())
 
     async def main():
         async with trio.open_nursery() as nursery:
