@@ -27,7 +27,7 @@ from cachefs.config import FIXED_OPTIONS, MountConfig
 from cachefs.control.commands import command_table
 from cachefs.control.server import Control
 from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError, NoSuchKey
-from cachefs.fuse_ops import Operations
+from cachefs.fuse_ops import FuseMetrics, Operations
 from cachefs.host import (
     CacheDirLock,
     check_cache_fs,
@@ -46,15 +46,20 @@ from cachefs.namespace.nodes import CONTROL_INODE
 from cachefs.namespace.snapshot import ListingSnapshot
 from cachefs.namespace.vfs import Vfs
 from cachefs.packed.channel import LoaderChannel
-from cachefs.packed.view import PackedView, open_packed
+from cachefs.packed.view import PackedMetrics, PackedView, open_packed
 from cachefs.ports import Port
 from cachefs.store import ObjectStore, store_of
+from cachefs.store.metrics import StoreMetrics
 from cachefs.tiers.cache import Tiers
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.memory import MemoryTier
+from cachefs.tiers.metrics import TierMetrics
 from cachefs.warm.engine import Warmer
-from cachefs.writeback.engine import Writeback, WritebackOptions
+from cachefs.warm.metrics import WarmupMetrics
+from cachefs.writeback.engine import Writeback
 from cachefs.writeback.journal import Journal
+from cachefs.writeback.metrics import WritebackMetrics
+from cachefs.writeback.policy import WritebackOptions
 
 if TYPE_CHECKING:
     from cachefs.packfmt import Manifest, PackedIndex
@@ -74,7 +79,7 @@ class Daemon:
         self.start_s = 0.0           # seconds from the keeper's word to a built daemon (a takeover's pause)
         no_passthrough = cfg.passthrough_wanted(packed is not None)
         if no_passthrough is not None:
-            metrics.passthrough_fallbacks.labels(no_passthrough).inc()
+            metrics.group(TierMetrics).passthrough_fallbacks.labels(no_passthrough).inc()
         cloned = Port("cloned")             # FUSE session -> the keeper (each request loop's descriptor)
         if link is not None:
             cloned.connect(link.clone)
@@ -147,7 +152,7 @@ class Daemon:
         m = self.metrics
         tiers = self.tiers.stats()
         requests = {}
-        for metric in m.store_requests.collect():
+        for metric in m.group(StoreMetrics).store_requests.collect():
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     key = f"{sample.labels['op']} {sample.labels['status']}"
@@ -183,6 +188,16 @@ class Daemon:
         from cachefs.writeback.commands import sync_command
         async for reply in sync_command(self.writeback, args):
             yield reply
+
+
+def daemon_registry():
+    """A registry holding every metric a daemon can export (the core's and each component's):
+    docs/metrics.md is rendered from it (``python -m cachefs.metrics``)."""
+    metrics = Metrics()
+    for group in (TierMetrics, StoreMetrics, FuseMetrics, PackedMetrics, WritebackMetrics):
+        metrics.group(group)
+    metrics.group(WarmupMetrics, lambda: [])
+    return metrics.registry
 
 
 def serve(cfg: MountConfig, on_ready: Callable[[], None], link: Link | None = None) -> int:

@@ -17,13 +17,16 @@ import stat
 import struct
 import time
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from cachefs.control.protocol import CONTROL_NAME, IOCTL_RECEIVE, IOCTL_SEND
 from cachefs.control.server import Control
 from cachefs.errors import CachefsError, NeedsWait
 from cachefs.fuse.backing import Backing, Backings
 from cachefs.fuse.types import Attr, DirReply, FileInfo, FuseError, StatFs
-from cachefs.metrics import Metrics
+from cachefs.metrics import LATENCY_BUCKETS, Metrics
 from cachefs.namespace.vfs import CONTROL_INODE, ROOT_INODE, FsError, Node, Vfs
+from cachefs.tiers.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,17 @@ def _describe(ops: "Operations", args: tuple) -> str:
     return ""
 
 
+class FuseMetrics:
+    """The FUSE adapter's metrics: operations, their failures and latency, by operation."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.fuse_ops = Counter("cachefs_fuse_operations", "FUSE operations", ["op"], registry=r)
+        self.fuse_errors = Counter("cachefs_fuse_errors", "FUSE operations that failed", ["op", "errno"],
+                                   registry=r)
+        self.fuse_latency = Histogram("cachefs_fuse_operation_seconds", "FUSE operation latency", ["op"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+
+
 class Operations:
     @classmethod
     def from_config(cls, cfg, vfs: Vfs, control: Control, metrics: Metrics, kernel, *,
@@ -126,11 +140,12 @@ class Operations:
         self.backings = Backings(self._close_backing, max_idle_bytes=idle_backing_bytes)
         self.vfs = vfs
         self.control = control
-        self.metrics = metrics
+        self.metrics = metrics.group(FuseMetrics)
+        self.served = metrics.group(TierMetrics)      # what passthrough serves is counted with the tiers'
         self.uid, self.gid = uid, gid
         self.file_mode, self.dir_mode = file_mode, dir_mode
         self.timeout = _IMMUTABLE_TIMEOUT if immutable else metadata_ttl
-        self._timing = _TimingCache(metrics)
+        self._timing = _TimingCache(self.metrics)
 
     def _failed(self, name: str, code: int) -> None:
         self.metrics.fuse_errors.labels(name, errno.errorcode.get(code, str(code))).inc()
@@ -202,7 +217,7 @@ class Operations:
         node = self.vfs.node(inode)
         if node.opens or node.restored:
             # other handles read through us (of this daemon, or maybe of a previous one)
-            self.metrics.passthrough_fallbacks.labels("busy").inc()
+            self.served.passthrough_fallbacks.labels("busy").inc()
             return 0
         return self._register_backing(inode, self.vfs.blocks.exact_file_now(version))
 
@@ -233,13 +248,13 @@ class Operations:
 
     def _register_backing(self, inode: int, exact) -> int:
         if exact is None:
-            self.metrics.passthrough_fallbacks.labels("not_cached").inc()
+            self.served.passthrough_fallbacks.labels("not_cached").inc()
             return 0
         try:
             backing_id = self.kernel.backing_open(exact.fd)
         except OSError as exc:
             self.vfs.blocks.release_exact(exact)
-            self.metrics.passthrough_fallbacks.labels(
+            self.served.passthrough_fallbacks.labels(
                 "no_cap_sys_admin" if exc.errno == errno.EPERM else "backing_open").inc()
             if not self.kernel.passthrough:          # refused for good (the session turned it off)
                 self.vfs.blocks.passthrough_off()
@@ -253,8 +268,8 @@ class Operations:
     def _handed_over(self, inode: int, flags: int, backing_id: int) -> FileInfo:
         handle, _ = self.vfs.open_now(inode, flags, handed_over=True)
         self.backings.bind(handle.fh, inode)
-        self.metrics.passthrough_opens.inc()
-        self.metrics.read_bytes.inc(handle.node.size)      # the kernel serves it from the cache file
+        self.served.passthrough_opens.inc()
+        self.served.read_bytes.inc(handle.node.size)      # the kernel serves it from the cache file
         return FileInfo(fh=handle.fh, backing_id=backing_id)
 
     def _unbind_backing(self, fh: int) -> None:
@@ -491,7 +506,7 @@ class _Timing:
     __slots__ = ("_count", "_latency")
 
     def __init__(self, metrics: Metrics, name: str) -> None:
-        self._count = metrics.fuse_ops.labels(name)
+        self._count = metrics.fuse_ops.labels(name)       # metrics: the FuseMetrics group
         self._latency = metrics.fuse_latency.labels(name)
 
     def observe(self, seconds: float) -> None:

@@ -26,6 +26,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry, Counter
+
 from cachefs.errors import AccessDenied, CachefsError, ConfigError, NoSuchKey
 from cachefs.metrics import Metrics
 from cachefs.namespace.nodes import FsError
@@ -108,6 +110,12 @@ def _store_path(path: str) -> str:
     return path[len(PACKED_DIR) + 1:]
 
 
+class PackedMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.packed_crc_errors = Counter("cachefs_packed_crc_errors", "Packed records whose crc32c failed",
+                                         registry=r)
+
+
 class PackedView:
     """The namespace (a ``DirSource``) and the read path of one packed dataset."""
 
@@ -117,7 +125,7 @@ class PackedView:
         self.manifest = manifest
         self.index = index
         self.tiers = tiers
-        self.crc_errors = metrics.packed_crc_errors
+        self.crc_errors = metrics.group(PackedMetrics).packed_crc_errors
         from cachefs.packfmt.index import shard_path
         shards = index.shards.select(["shard", "etag", "bytes"]).to_pylist()
         self._shards = [FileVersion(shard_path(s["shard"]), s["etag"], s["bytes"]) for s in shards]

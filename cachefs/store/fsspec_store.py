@@ -29,6 +29,7 @@ from cachefs.errors import (
 )
 from cachefs.metrics import Metrics
 from cachefs.store.base import Listing, ObjectInfo, ObjectStore
+from cachefs.store.metrics import StoreMetrics
 from cachefs.store.retry import call_with_retries
 from cachefs.store.url import parse_url
 
@@ -90,6 +91,7 @@ class FsspecStore(ObjectStore):
             raise ConfigError(f"cannot open {self._parsed.scheme}:// store: {exc}") from exc
         self._root = self._fs._strip_protocol(url).rstrip("/")
         self._metrics = metrics
+        self._m = metrics.group(StoreMetrics)
         self._max_attempts = max_attempts
         self.identity = f"{self._parsed.scheme}|{self._root}"
         self.url = str(self._parsed)
@@ -118,8 +120,8 @@ class FsspecStore(ObjectStore):
             failure = exc
             raise
         finally:
-            self._metrics.store_requests.labels(op, _status_of(failure)).inc()
-            self._metrics.store_latency.labels(op).observe(time.monotonic() - started)
+            self._m.store_requests.labels(op, _status_of(failure)).inc()
+            self._m.store_latency.labels(op).observe(time.monotonic() - started)
 
     # --- ObjectStore ---
 
@@ -144,7 +146,7 @@ class FsspecStore(ObjectStore):
         self._check_version(path, etag)
         if len(data) != end - start:
             raise BadResponse(f"get {self._url(path)}: got {len(data)} bytes, asked {end - start}")
-        self._metrics.store_bytes.inc(len(data))
+        self._m.store_bytes.inc(len(data))
         return data
 
     def _check_version(self, path: str, etag: str) -> None:

@@ -26,6 +26,7 @@ from typing import TypeVar
 import trio
 
 from cachefs.metrics import Metrics
+from cachefs.store.metrics import StoreMetrics
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ async def call_with_retries_async(fn: Callable[[], Awaitable[T]], *, op: str,
 
 def _note_retry(op: str, attempt: int, max_attempts: int, exc: BaseException, metrics: Metrics | None) -> None:
     if metrics is not None:
-        metrics.store_retries.labels(op).inc()
+        metrics.group(StoreMetrics).store_retries.labels(op).inc()
     level = logging.DEBUG if attempt <= _QUIET_RETRIES else logging.INFO
     log.log(level, "%s: attempt %d of %d failed (%s: %s), retrying", op, attempt, max_attempts,
             type(exc).__name__, exc)

@@ -47,6 +47,7 @@ from cachefs.tiers.handover import ExactFile, HandOver
 from cachefs.tiers.hedge import HedgePolicy, Hedger, cancellable_gets
 from cachefs.tiers.key import WHOLE, BlockKey
 from cachefs.tiers.memory import MemoryTier
+from cachefs.tiers.metrics import TierMetrics
 from cachefs.tiers.stream import Stream
 from cachefs.tiers.whole import WholeFiles
 
@@ -96,6 +97,7 @@ class Tiers:
         self.memory = memory
         self.disk = disk
         self.metrics = metrics
+        self._m = metrics.group(TierMetrics)
         self.block_size = block_size
         self.readahead_size = readahead_size
         self._fetch_limiter = trio.CapacityLimiter(max_fetches)
@@ -103,7 +105,7 @@ class Tiers:
         self._readahead_slots = max_readaheads
         self.readahead_at_lookup = readahead_at_lookup
         self._readaheads = 0
-        self._flights = SingleFlight(on_join=metrics.singleflight_joins.inc)
+        self._flights = SingleFlight(on_join=self._m.singleflight_joins.inc)
         self._nursery: trio.Nursery | None = None
         # ports (cachefs/ports.py): a file read from its start (the dataset watch), every block that
         # comes from the store, in the trio thread (a packed view checks its records)
@@ -198,13 +200,13 @@ class Tiers:
                 self._cancel_ahead(stream, offset)
             window = stream.advance(offset, end, self.block_size, self.readahead_size)
             if window:
-                self.metrics.readahead_window.observe(window)
+                self._m.readahead_window.observe(window)
                 self._readahead(f, end, window, stream)
             if stream.drop_behind:
                 self._drop_behind(f, offset, end, stream)
             if end == f.size and f.size >= self.block_size:
                 stream.read_to_end = f          # at close, maybe all cached: write it whole (stop)
-        self.metrics.read_bytes.inc(end - offset)
+        self._m.read_bytes.inc(end - offset)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _drop_behind(self, f: FileVersion, offset: int, end: int, stream: Stream) -> None:
@@ -312,7 +314,7 @@ class Tiers:
             data = await self.disk.read_async(key, 0, f.size)
             if data is None or len(data) != f.size:
                 return None
-            self.metrics.read_bytes.inc(f.size)      # served to the reader through the page cache
+            self._m.read_bytes.inc(f.size)      # served to the reader through the page cache
             return data
         try:
             data = await self.read(f, 0, f.size, stream)
@@ -391,7 +393,7 @@ class Tiers:
             doomed = [index for index in stream.ahead if not first <= index <= last]
         for index in doomed:
             stream.ahead.pop(index).cancel()
-            self.metrics.readahead_cancelled.inc()
+            self._m.readahead_cancelled.inc()
 
     def _readahead(self, f: FileVersion, start: int, window: int, stream: Stream) -> None:
         """Start background fetches for the blocks in [start, start+window); drop when busy."""
@@ -405,7 +407,7 @@ class Tiers:
                     or (self.disk is not None and self.disk.filling(key))):
                 continue
             if self._readaheads >= self._readahead_slots:
-                self.metrics.dropped_fills.labels("readahead", "queue_full").inc()
+                self._m.dropped_fills.labels("readahead", "queue_full").inc()
                 return
             self._readaheads += 1
             scope = stream.ahead[index] = trio.CancelScope()     # cancelled by its reader moving away or closing
@@ -428,7 +430,7 @@ class Tiers:
         # this GET (measured: with a fast store, 18% of the files were fetched twice when the
         # open's own GET had ended before the readahead's task started).
         if self._flights.start_soon(self._nursery, key, lambda: self._fetch_ahead(f, key)):
-            self.metrics.lookup_readaheads.inc()
+            self._m.lookup_readaheads.inc()
             # The task runs on a later scheduler pass (0.6 ms on, mean, with 8 cold readers): the
             # store may send its GET now and let the task read the answer.
             self.store.start_get(f.path, 0, f.size, f.etag, f.size)     # a small file is its one block
@@ -454,7 +456,7 @@ class Tiers:
                     await self.whole.read_block(key, self.block_len(f, key.index), whole)
                     return
                 await self._flights.do(key, lambda: self._fetch(f, key, limiter=self._readahead_limiter, ahead=True))
-                self.metrics.readahead_blocks.inc()
+                self._m.readahead_blocks.inc()
             except StoreError as exc:
                 log.info("readahead of %s block %d failed (a reader will retry): %s", f.path, key.index, exc)
             finally:

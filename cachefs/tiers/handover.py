@@ -27,6 +27,7 @@ from cachefs.sched import in_thread
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk import format as fmt
 from cachefs.tiers.key import WHOLE, BlockKey
+from cachefs.tiers.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class ExactFile:
 class HandOver:
     def __init__(self, disk: DiskTier | None, metrics: Metrics, scrub_bytes_s: float = 16 << 20) -> None:
         self.disk = disk
-        self.metrics = metrics
+        self.metrics = metrics.group(TierMetrics)
         self.scrub_bytes_s = scrub_bytes_s
         self._verified: dict[str, float] = {}     # digest -> when it was last verified (monotonic)
         self._held: dict[str, int] = {}           # digest -> hand-overs not yet released

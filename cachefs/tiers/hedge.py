@@ -36,6 +36,7 @@ from cachefs.errors import StoreError
 from cachefs.metrics import Metrics
 from cachefs.sched import held
 from cachefs.store import ObjectStore
+from cachefs.tiers.metrics import TierMetrics
 
 _BASE_S = 1e-4          # lower edge of the first bucket
 _GROWTH = 1.1           # each bucket 10% wider than the one before
@@ -160,7 +161,8 @@ class Hedger:
 
     def __init__(self, policy: HedgePolicy, metrics: Metrics) -> None:
         self.policy = policy
-        self.metrics = metrics
+        self._registry = metrics
+        self.metrics = metrics.group(TierMetrics)
         self._estimators: dict[str, LatencyEstimator] = {}
         self._delays: dict[str, float] = {}      # per size class, refreshed as GETs are observed
         self._tokens = 0.0
@@ -290,7 +292,7 @@ class Hedger:
     def stats(self) -> dict:
         """Hedges by result, skipped ones by reason, and each size class's current delay (ms)."""
         def count(name: str, **labels: str) -> int:
-            return int(self.metrics.counter_value(name, **labels))
+            return int(self._registry.counter_value(name, **labels))
         out = {result: count("cachefs_hedged_requests_total", result=result) for result in ("won", "lost", "failed", "cancelled")}
         out.update({f"skipped_{reason}": count("cachefs_hedges_skipped_total", reason=reason)
                     for reason in ("budget", "busy")})

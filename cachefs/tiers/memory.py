@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 from cachefs.metrics import Metrics
 from cachefs.tiers.key import BlockKey
+from cachefs.tiers.metrics import TierMetrics
 
 _TIER = "memory"
 
@@ -19,16 +20,17 @@ class MemoryTier:
         self.used = 0
         self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
         self._ahead: set[BlockKey] = set()      # fetched by readahead, not read yet
-        self._wasted = metrics.readahead_wasted_bytes
+        m = metrics.group(TierMetrics)
+        self._wasted = m.readahead_wasted_bytes
         # metric children bound once, as the disk tier does: get() runs on every read
-        self._hits = metrics.tier_hits.labels(_TIER)
-        self._misses = metrics.tier_misses.labels(_TIER)
-        self._hit_bytes = metrics.tier_hit_bytes.labels(_TIER)
-        self._evictions = metrics.evictions.labels(_TIER)
-        self._evicted_bytes = metrics.evicted_bytes.labels(_TIER)
-        self._used_gauge = metrics.tier_used_bytes.labels(_TIER)
-        self._blocks_gauge = metrics.tier_blocks.labels(_TIER)
-        metrics.tier_capacity_bytes.labels(_TIER).set(capacity_bytes)
+        self._hits = m.tier_hits.labels(_TIER)
+        self._misses = m.tier_misses.labels(_TIER)
+        self._hit_bytes = m.tier_hit_bytes.labels(_TIER)
+        self._evictions = m.evictions.labels(_TIER)
+        self._evicted_bytes = m.evicted_bytes.labels(_TIER)
+        self._used_gauge = m.tier_used_bytes.labels(_TIER)
+        self._blocks_gauge = m.tier_blocks.labels(_TIER)
+        m.tier_capacity_bytes.labels(_TIER).set(capacity_bytes)
         self._update_gauges()
 
     def __len__(self) -> int:

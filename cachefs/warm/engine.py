@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 import trio
 
 from cachefs.errors import NoSuchKey, StoreError, UsageError, VersionChanged
-from cachefs.metrics import Metrics, WarmupMetrics
+from cachefs.metrics import Metrics
 from cachefs.namespace.catalog import Catalog
 from cachefs.namespace.dirs import dir_prefix, split
 from cachefs.packed.view import PackedView
@@ -41,6 +41,7 @@ from cachefs.ports import Port
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
 from cachefs.warm.job import Bandwidth, FileWork, WarmJob, WarmSpec, glob_regex, static_dir
+from cachefs.warm.metrics import WarmupMetrics
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Warmer:
         self._uploads: dict[str, tuple[float, list[str]]] = {}
         self._list_limiter = trio.CapacityLimiter(8)
         self._nursery: trio.Nursery | None = None
-        self._metrics = WarmupMetrics(metrics, lambda: list(self.jobs.values()))
+        self._metrics = metrics.group(WarmupMetrics, lambda: list(self.jobs.values()))
         self.watcher = None
         if dataset_watch and immutable:
             from cachefs.warm.dataset_watch import DatasetWatcher

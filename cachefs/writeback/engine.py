@@ -33,13 +33,14 @@ from collections.abc import Callable
 import trio
 
 from cachefs.errors import StoreError
-from cachefs.metrics import Metrics, WritebackMetrics
+from cachefs.metrics import Metrics
 from cachefs.ports import Port
 from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.writeback import status as _status
 from cachefs.writeback.fence import JournalGuard
 from cachefs.writeback.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record
+from cachefs.writeback.metrics import WritebackMetrics
 from cachefs.writeback.overlay import DirOverlay, overlay
 from cachefs.writeback.policy import CHECKPOINT, CLASSES, LOG, MAX_PARTS, SyncPolicy, WritebackOptions, part_size_for
 from cachefs.writeback.staged import (
@@ -55,8 +56,7 @@ from cachefs.writeback.staged import (
 )
 from cachefs.writeback.uploader import Uploader
 
-__all__ = ["CHECKPOINT", "CLASSES", "LOG", "MAX_PARTS", "StagedFile", "SyncPolicy", "Writeback", "WritebackOptions",
-           "part_size_for"]
+__all__ = ["CHECKPOINT", "CLASSES", "LOG", "MAX_PARTS", "StagedFile", "SyncPolicy", "Writeback", "part_size_for"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Writeback:
         self._files: dict[str, StagedFile] = {}
         self._ops: dict[tuple[bool, str], PendingOp] = {}
         self._io = trio.CapacityLimiter(8)          # fsync and record writes
-        self._m = WritebackMetrics(metrics)
+        self._m = metrics.group(WritebackMetrics)
         self._guard = JournalGuard(journal, self._io, self._m,      # journal I/O; fences a failing cache dir
                                    barrier if barrier is not None else Port("barrier"))
         self._uploader = Uploader(store, self._guard, part_size=options.part_size,

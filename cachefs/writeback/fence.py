@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import trio
 
-from cachefs.metrics import WritebackMetrics
 from cachefs.writeback.journal import Journal, Record
+from cachefs.writeback.metrics import WritebackMetrics
 
 log = logging.getLogger(__name__)
 

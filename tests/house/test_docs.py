@@ -8,8 +8,9 @@ import subprocess
 from pathlib import Path
 
 from cachefs.config import option_fields, options_table
+from cachefs.daemon import daemon_registry
 from cachefs.errors import EXIT_CODES, exit_codes_table
-from cachefs.metrics import daemon_registry, metrics_table
+from cachefs.metrics import metrics_table
 from csi.agent.metrics import AgentMetrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,6 +21,7 @@ from scripted_http import ScriptedServer
 
 from cachefs.errors import BadResponse, NoSuchKey, Unreachable, VersionChanged
 from cachefs.metrics import Metrics
+from cachefs.store.metrics import StoreMetrics
 from cachefs.store.s3.http import AsyncGetter
 from cachefs.store.s3.store import S3Options, S3Store
 from testing.s3 import s3_client
@@ -555,7 +556,7 @@ def test_a_cancelled_get_is_counted_cancelled_not_error(scripted, size, answer):
             await store.get_async("k", 0, len(body), "v1", len(body), limiter=trio.CapacityLimiter(4))
         assert scope.cancelled_caught
     trio.run(main)
-    counts = {s.labels["status"]: s.value for m in metrics.store_requests.collect() for s in m.samples
+    counts = {s.labels["status"]: s.value for m in metrics.group(StoreMetrics).store_requests.collect() for s in m.samples
               if s.name.endswith("_total") and s.labels["op"] == "get"}
     assert counts == {"cancelled": 1.0}
 
@@ -578,6 +579,6 @@ def test_a_get_cancelled_while_connecting_is_counted_cancelled(scripted, monkeyp
             await store.get_async("k", 0, 1, "v1", 1, limiter=trio.CapacityLimiter(4))
         assert scope.cancelled_caught
     trio.run(main)
-    counts = {s.labels["status"]: s.value for m in metrics.store_requests.collect() for s in m.samples
+    counts = {s.labels["status"]: s.value for m in metrics.group(StoreMetrics).store_requests.collect() for s in m.samples
               if s.name.endswith("_total") and s.labels["op"] == "get"}
     assert counts == {"cancelled": 1.0}

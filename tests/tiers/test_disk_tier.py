@@ -50,7 +50,7 @@ def serve(tier: DiskTier, body) -> None:
 
 
 def metric(t: DiskTier, name: str, **labels) -> float:
-    return t._metrics.counter_value(name, **labels)
+    return t.metrics.counter_value(name, **labels)
 
 
 def block_file(root: Path, k: BlockKey) -> Path:

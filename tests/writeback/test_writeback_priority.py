@@ -7,8 +7,9 @@ import trio
 
 from cachefs.metrics import Metrics
 from cachefs.store import ObjectInfo
-from cachefs.writeback.engine import SyncPolicy, Writeback, WritebackOptions
+from cachefs.writeback.engine import SyncPolicy, Writeback
 from cachefs.writeback.journal import Journal
+from cachefs.writeback.policy import WritebackOptions
 
 
 class SlowStore:

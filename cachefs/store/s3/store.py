@@ -41,6 +41,7 @@ from cachefs.errors import (
 from cachefs.metrics import Metrics
 from cachefs.sched import held
 from cachefs.store.base import Listing, ObjectInfo, ObjectStore
+from cachefs.store.metrics import StoreMetrics
 from cachefs.store.retry import RetryPolicy, call_with_retries, call_with_retries_async
 from cachefs.store.s3.answer import (
     BEHAVIOUR,
@@ -200,6 +201,7 @@ class S3Store(ObjectStore):
         self.prefix = prefix.strip("/")
         self._root = f"{self.prefix}/" if self.prefix else ""
         self._metrics = metrics
+        self._m = metrics.group(StoreMetrics)
         self._options = options
         self._retry = retry_policy(options)
         session = make_session(options) if credentials is None or options.region is None else None
@@ -241,8 +243,8 @@ class S3Store(ObjectStore):
             self._count(op, status, started)
 
     def _count(self, op: str, status: str, started: float) -> None:
-        self._metrics.store_requests.labels(op, status).inc()
-        self._metrics.store_latency.labels(op).observe(time.monotonic() - started)
+        self._m.store_requests.labels(op, status).inc()
+        self._m.store_latency.labels(op).observe(time.monotonic() - started)
 
     def _call(self, op: str, key: str, attempt: Callable[[], Any], missing: type[StoreError] = NoSuchKey) -> Any:
         """``attempt()`` with retries; errors left over become cachefs errors."""
@@ -281,7 +283,7 @@ class S3Store(ObjectStore):
         if start == end:
             return b""
         data = self._call("get", key, lambda: self._get_once(key, want))
-        self._metrics.store_bytes.inc(len(data))
+        self._m.store_bytes.inc(len(data))
         return data
 
     async def get_async(self, path: str, start: int, end: int, etag: str, size: int, *,
@@ -298,7 +300,7 @@ class S3Store(ObjectStore):
                                                      policy=self._retry, metrics=self._metrics)
             except _MAPPED as exc:
                 raise map_error(exc, op="get", url=want.url) from exc
-        self._metrics.store_bytes.inc(len(data))
+        self._m.store_bytes.inc(len(data))
         return data
 
     def start_get(self, path: str, start: int, end: int, etag: str, size: int) -> None:
@@ -330,7 +332,7 @@ class S3Store(ObjectStore):
         counted and, the first time for its kind, logged."""
         data, kind = verify(want, reply, body)
         if kind is not None:
-            self._metrics.store_range_fallbacks.labels(kind).inc()
+            self._m.store_range_fallbacks.labels(kind).inc()
             if kind not in self._fallbacks_warned:
                 self._fallbacks_warned.add(kind)
                 log.warning("the S3 server at %s %s; accepted (it provably holds the asked bytes), counted in "

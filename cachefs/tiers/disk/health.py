@@ -19,6 +19,7 @@ import trio
 
 from cachefs.metrics import Metrics
 from cachefs.tiers.disk import format as fmt
+from cachefs.tiers.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,13 @@ class HealthWatch:
     def __init__(self, health: DiskHealth, metrics: Metrics, root: Path, probe_dir: Path, *,
                  fsync: bool, limiter: trio.CapacityLimiter) -> None:
         self.health = health
-        self._metrics = metrics
+        self._metrics = metrics.group(TierMetrics)
         self._root = root
         self._probe_dir = probe_dir
         self._fsync = fsync
         self._limiter = limiter
         self.probe: Callable[[Path, bool], None] = probe_dir_writable
-        metrics.disk_health.set(health.state)
+        self._metrics.disk_health.set(health.state)
 
     def io_error(self, op: str, exc: OSError) -> None:
         self._metrics.disk_errors.labels(op).inc()

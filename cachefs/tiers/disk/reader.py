@@ -24,6 +24,7 @@ from cachefs.sched import in_thread
 from cachefs.tiers.disk import format as fmt
 from cachefs.tiers.disk.health import DiskHealth
 from cachefs.tiers.disk.index import Layout, SegmentedLRU
+from cachefs.tiers.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,10 @@ class BlockReader:
         self._inline_avg = 0.0                    # moving average of inline cold reads' blocking time
         self.inline_off_until = -math.inf         # cold reads go to threads until then (slow disk)
         self._limiter = trio.CapacityLimiter(16)  # cold reads in flight (like an NVMe queue)
-        self._hits = metrics.tier_hits.labels(_TIER)          # bound once: read() is hot
-        self._misses = metrics.tier_misses.labels(_TIER)
-        self._hit_bytes = metrics.tier_hit_bytes.labels(_TIER)
+        m = metrics.group(TierMetrics)
+        self._hits = m.tier_hits.labels(_TIER)          # bound once: read() is hot
+        self._misses = m.tier_misses.labels(_TIER)
+        self._hit_bytes = m.tier_hit_bytes.labels(_TIER)
 
     def _readable(self, digest: str) -> bool:
         return self._health.state != DiskHealth.DOWN and digest in self._index

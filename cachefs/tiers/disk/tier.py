@@ -31,6 +31,7 @@ from cachefs.tiers.disk.index import Entry, Layout, SegmentedLRU
 from cachefs.tiers.disk.reader import BlockReader
 from cachefs.tiers.disk.space import Room, Space
 from cachefs.tiers.key import BlockKey
+from cachefs.tiers.metrics import TierMetrics
 from cachefs.tiers.pins import PinSet
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ class DiskTier:
         # single-block objects as exact files (format.XATTR): FUSE passthrough hands them to the kernel
         self.exact_files = exact_files
         self.root = self.layout.root
-        self._metrics = metrics
+        self.metrics = metrics                        # the daemon's registry (counter_value)
+        self._metrics = metrics.group(TierMetrics)
         self._fsync = fsync
         self._fill_workers = fill_workers
         self._max_pending = max_pending_fill_bytes
@@ -101,7 +103,7 @@ class DiskTier:
         self.direct = fmt.DirectWrites(keep=int(writers)) if direct_io else None
         # a seam for tests: a blocking call that can fail
         self._write_file = functools.partial(fmt.write_block_file, direct=self.direct)
-        metrics.tier_capacity_bytes.labels(_TIER).set(capacity)
+        self._metrics.tier_capacity_bytes.labels(_TIER).set(capacity)
         self._update_gauges()
 
     @property
