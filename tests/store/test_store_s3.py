@@ -278,6 +278,20 @@ def test_identity_names_endpoint_bucket_and_prefix(s3_server, make_store):
     assert S3Store("b1", "", metrics=Metrics()).identity == "s3|aws|b1|"
 
 
+def test_an_endpoint_from_the_environment_is_used_and_named(s3_server, client, bucket, monkeypatch):
+    """AWS_ENDPOINT_URL (as botocore reads it) is where requests go, and the cache's identity
+    names it: two endpoints never share cached blocks."""
+    client.put_object(Bucket=bucket, Key="e.txt", Body=b"env")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    store = S3Store(bucket, "", metrics=Metrics())
+    try:
+        assert store.identity == f"s3|{s3_server.endpoint_url}|{bucket}|"
+        info = store.head("e.txt")
+        assert store.get("e.txt", 0, 3, info.etag, 3) == b"env"
+    finally:
+        store.close()
+
+
 # --- retries and GET checks from worker threads, against a scripted server ---------------------
 
 def reply(status: str, body: bytes = b"", *headers: str) -> bytes:

@@ -218,7 +218,9 @@ class S3Store(ObjectStore):
                                              read_timeout=options.read_timeout)
         self._fallbacks_warned: set[str] = set()
         self.endpoint = endpoint
-        self.identity = f"s3|{options.endpoint_url or 'aws'}|{bucket}|{self.prefix}"
+        # what the cache's keys and the listing snapshot belong to: AWS's default endpoint stays "aws"
+        named = endpoint if endpoint != aws_endpoint(region) else options.endpoint_url or "aws"
+        self.identity = f"s3|{named}|{bucket}|{self.prefix}"
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
 
     @property
