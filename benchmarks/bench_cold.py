@@ -46,7 +46,7 @@ import xxhash  # noqa: E402
 from benchmarks import dataset, readers  # noqa: E402
 from benchmarks.cachefs_mount import CachefsMount, cannot_run, drop_page_cache, vm_hwm  # noqa: E402
 from benchmarks.cpu_meter import CpuMeter  # noqa: E402
-from benchmarks.s3_servers import ProxyProcess, start_server  # noqa: E402
+from testing.s3_servers import ProxyProcess, start_server  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

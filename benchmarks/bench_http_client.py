@@ -27,10 +27,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.s3_servers import start_server  # noqa: E402
 from cachefs.store.s3.http import AsyncGetter  # noqa: E402
 from cachefs.store.s3.sigv4 import Signer, object_path  # noqa: E402
 from testing.s3 import local_credentials_env, s3_client  # noqa: E402
+from testing.s3_servers import start_server  # noqa: E402
 
 BUCKET = "bench-http"
 OBJECTS = 64

@@ -29,7 +29,7 @@ from benchmarks.bench_read import resolve_server, settle, use_local_credentials
 from benchmarks.cachefs_mount import CachefsMount, cannot_run, drop_page_cache, remove_tree
 from benchmarks.cpu_meter import CPU_GROUPS, CpuMeter, cpu_text
 from benchmarks.readers import Result, Tally
-from benchmarks.s3_servers import ProxyProcess, start_server
+from testing.s3_servers import ProxyProcess, start_server
 
 MiB = 1 << 20
 BUCKET, SRC, PACKED, COPY = "bench", "imagenet", "packed", "copy"

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import dataset, readers
 from benchmarks.cachefs_mount import CachefsMount, cachefs_available, drop_page_cache
 from benchmarks.readers import Result
-from benchmarks.s3_servers import ProxyProcess, find_binary, start_server
+from testing.s3_servers import ProxyProcess, find_binary, start_server
 
 MiB = 1 << 20
 BUCKET, PREFIX = "bench", "imagenet"

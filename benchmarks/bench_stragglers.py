@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import dataset
 from benchmarks.cachefs_mount import CachefsMount, remove_tree
-from benchmarks.s3_servers import start_server, stop_process
+from testing.s3_servers import start_server, stop_process
 
 BUCKET = "stragglers"
 

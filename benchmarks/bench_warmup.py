@@ -48,7 +48,7 @@ from benchmarks.cachefs_mount import (
 from benchmarks.cpu_meter import CPU_GROUPS, CpuMeter, cpu_text, pids_with_arg
 from benchmarks.peer_mounts import RcloneMount, S3fsMount, s3fs_available
 from benchmarks.readers import Result
-from benchmarks.s3_servers import ProxyProcess, start_server
+from testing.s3_servers import ProxyProcess, start_server
 
 MiB = 1 << 20
 VERIFY_EVERY = 10

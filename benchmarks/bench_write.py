@@ -36,9 +36,9 @@ from pathlib import Path
 from boto3.s3.transfer import TransferConfig
 
 from benchmarks.cachefs_mount import cachefs_command
-from benchmarks.s3_servers import ProxyProcess, find_binary, start_server
 from cachefs.config import parse_size
 from testing.s3 import local_credentials_env, make_bucket, s3_client
+from testing.s3_servers import ProxyProcess, find_binary, start_server
 
 CHUNK = 8 << 20
 

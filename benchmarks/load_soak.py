@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from cachefs.config import parse_size
+from testing.stuck import abort_fuse_connection, blocked_in_kernel
 
 MIB = 1 << 20
 
@@ -126,23 +127,6 @@ def warmer(target: Path, tally: Tally, stop: threading.Event) -> None:
                 stop.wait(2.0)
             elif not extra:
                 tally.add(warmups=1)
-
-
-def blocked_in_kernel(pid: int) -> str | None:
-    """The kernel function the daemon sleeps in uninterruptibly (state D), else None."""
-    with open(f"/proc/{pid}/stat") as fh:
-        state = fh.read().rsplit(")", 1)[1].split()[0]
-    if state != "D":
-        return None
-    with open(f"/proc/{pid}/wchan") as fh:
-        return fh.read() or "?"
-
-
-def abort_fuse_connection(mountpoint: Path) -> None:
-    """Unstick a deadlocked mount: every waiter gets ECONNABORTED (the soak then ends and reports)."""
-    with open("/proc/self/mountinfo") as fh:
-        device = next(line.split()[2] for line in fh if line.split()[4] == str(mountpoint))
-    Path(f"/sys/fs/fuse/connections/{device.split(':')[1]}/abort").write_text("1\n")
 
 
 def fd_kinds(pid: int) -> dict[str, int]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from benchmarks.cachefs_mount import is_mounted
-from benchmarks.s3_servers import find_binary
+from testing.s3_servers import find_binary
 
 
 def _wait_mounted(path: Path, proc: subprocess.Popen | None, timeout: float = 30.0) -> None:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import dataset, readers
 from benchmarks.dataset import Entry
-from benchmarks.s3_servers import ProxyProcess, start_server
+from testing.s3_servers import ProxyProcess, start_server
 
 BUCKET = "probe"
 OBJECTS = 200

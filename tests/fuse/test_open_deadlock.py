@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from mounts import put_tree
 
-from benchmarks.load_soak import abort_fuse_connection, blocked_in_kernel
 from testing.s3 import s3_client
+from testing.stuck import abort_fuse_connection, blocked_in_kernel
 
 pytestmark = pytest.mark.fuse
 

@@ -20,10 +20,10 @@ import trio
 from botocore.config import Config
 from ceph_rgw import CephRGW
 
-from benchmarks.s3_servers import RcloneServer, SeaweedServer, find_binary, free_port
 from cachefs.errors import NoSuchKey, VersionChanged
 from cachefs.metrics import Metrics
 from cachefs.store.s3.store import S3Options, S3Store
+from testing.s3_servers import RcloneServer, SeaweedServer, find_binary, free_port
 
 MIB = 1 << 20
 SERVERS = ["moto", "seaweedfs", "rclone", "rgw"]

@@ -1,4 +1,4 @@
-"""Local S3 servers for benchmarks, each in a subprocess on free loopback ports.
+"""Local S3 servers for benchmarks and tests, each in a subprocess on free loopback ports.
 
     with start_server("seaweedfs", workdir) as server:
         server.endpoint_url, server.pid
@@ -36,7 +36,7 @@ from pathlib import Path
 
 BACKENDS = ("moto", "seaweedfs", "rclone")
 VENV_BIN = Path(sys.executable).parent
-PROXY_SCRIPT = Path(__file__).resolve().parent.parent / "testing" / "latency_proxy.py"
+PROXY_SCRIPT = Path(__file__).resolve().parent / "latency_proxy.py"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
