@@ -165,7 +165,7 @@ class Requests:
             root = ET.fromstring(answer.data)
         except ET.ParseError as exc:
             raise BadAnswer(f"unreadable DeleteObjects answer: {exc}") from None
-        ns = root.tag[:root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+        ns = _namespace(root)
         failed = [(e.findtext(f"{ns}Key") or "", e.findtext(f"{ns}Code") or "") for e in root.iterfind(f"{ns}Error")]
         return _reply(answer), failed
 
@@ -218,6 +218,11 @@ def _reply(answer: urllib3.BaseHTTPResponse) -> Reply:
                  content_length(headers.get("Content-Length")), headers.get("Last-Modified"))
 
 
+def _namespace(root: ET.Element) -> str:
+    """The ``{uri}`` prefix of an answer's elements (S3's XML namespace), or "" when it has none."""
+    return root.tag[:root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+
+
 def _text(body: bytes, tag: str) -> str | None:
     """The text of the first ``tag`` element of an XML answer, whatever its namespace."""
     try:
@@ -251,7 +256,7 @@ def parse_list_page(body: bytes) -> Page:
     ValueError (or ET.ParseError) for an answer that is not a sane page: an object without Key or
     with a Size that is not a non-negative integer, a CommonPrefixes without Prefix."""
     root = ET.fromstring(body)
-    ns = root.tag[:root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    ns = _namespace(root)
     decode = (root.findtext(f"{ns}EncodingType") or "").lower() == "url"
     name = unquote_plus if decode else str
     page = Page(truncated=(root.findtext(f"{ns}IsTruncated") or "").lower() == "true",
