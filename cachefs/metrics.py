@@ -36,8 +36,8 @@ class Metrics:
 
     def group(self, cls, *args):
         """This daemon's metrics of one component (``cls(registry, *args)``, made at the first
-        call, the same object after): each component declares its own metrics in its package and
-        registers them here, on the daemon's one registry."""
+        call, the same object after, whatever ``args`` then): each component declares its own
+        metrics in its package and registers them here, on the daemon's one registry."""
         found = self._groups.get(cls)
         if found is None:
             found = self._groups[cls] = cls(self.registry, *args)
