@@ -191,3 +191,26 @@ def put_tree(client, bucket: str, prefix: str, files: dict[str, bytes]) -> None:
 
     with ThreadPoolExecutor(8) as pool:      # the client's connection pool holds 10
         list(pool.map(put, files.items()))
+
+
+def overwrite_while_open(client, bucket: str, mnt, old: bytes, new: bytes, block: int) -> None:
+    """Open ``obj`` (holding ``old``), read its first block, overwrite it with ``new`` in the
+    bucket: an uncached block of the open (pinned) version is an error (If-Match fails: 412),
+    never the new bytes, and a read of the whole file through the same handle gives all old
+    bytes or an error."""
+    import errno
+    fd = os.open(mnt / "obj", os.O_RDONLY)
+    try:
+        assert os.pread(fd, block, 0) == old[:block]
+        client.put_object(Bucket=bucket, Key="obj", Body=new)
+        with pytest.raises(OSError) as info:
+            os.pread(fd, block, len(old) - block)
+        assert info.value.errno in (errno.EIO, errno.ESTALE)
+        try:
+            whole = os.pread(fd, len(old), 0)
+        except OSError as exc:
+            assert exc.errno in (errno.EIO, errno.ESTALE)
+        else:
+            assert whole == old[:len(whole)]
+    finally:
+        os.close(fd)

@@ -1,12 +1,12 @@
 """docs/design.md invariant 1 on a real mount: a read never mixes object versions, and a change in the
 bucket becomes visible after the metadata TTL (or never, for an --immutable dataset)."""
 
-import errno
 import os
 import random
 import time
 
 import pytest
+from mounts import overwrite_while_open
 
 from testing.s3 import s3_client
 
@@ -25,24 +25,7 @@ def test_overwrite_while_open_never_mixes_versions(s3_server, bucket, mount_fact
     v1, v2 = random.Random(1).randbytes(SIZE), random.Random(2).randbytes(SIZE)
     client.put_object(Bucket=bucket, Key="obj", Body=v1)
     mnt = mount_factory(f"s3://{bucket}", *args(s3_server, "--metadata-ttl", "1")).start()
-    fd = os.open(mnt / "obj", os.O_RDONLY)
-    try:
-        assert os.pread(fd, BLOCK, 0) == v1[:BLOCK]
-        client.put_object(Bucket=bucket, Key="obj", Body=v2)
-        # An uncached block of the open (pinned) version: If-Match fails with 412 -> an error,
-        # never the new bytes.
-        with pytest.raises(OSError) as info:
-            os.pread(fd, BLOCK, SIZE - BLOCK)
-        assert info.value.errno in (errno.EIO, errno.ESTALE)
-        # A read over the whole file through the same handle: all old bytes or an error.
-        try:
-            whole = os.pread(fd, SIZE, 0)
-        except OSError as exc:
-            assert exc.errno in (errno.EIO, errno.ESTALE)
-        else:
-            assert whole == v1[:len(whole)]
-    finally:
-        os.close(fd)
+    overwrite_while_open(client, bucket, mnt, v1, v2, BLOCK)
     time.sleep(1.5)                                    # past the metadata TTL
     assert (mnt / "obj").read_bytes() == v2            # kernel pages of v1 were not kept
     assert os.stat(mnt / "obj").st_size == SIZE
