@@ -5,10 +5,12 @@ bytes from offset 0, header in an extended attribute). The kernel can read such 
 no READ request to the daemon, once the daemon hands it over at OPEN. The promise of the cache
 (docs/design.md, invariant 8) holds:
 
-- a file is verified, every chunk against its header, before its first hand-over in this daemon's
-  life, by the disk tier's own verified read (``read_async``: inline when its pages are resident,
-  read ahead then inline on a fast disk, in a worker thread on a slow one); a corrupt one is
-  dropped, counted, and the open falls back to the normal path (which fetches it again);
+- a file is verified, every chunk against its header, before its first hand-over in this boot,
+  by the disk tier's own verified read (``read_async``: inline when its pages are resident, read
+  ahead then inline on a fast disk, in a worker thread on a slow one); a corrupt one is dropped,
+  counted, and the open falls back to the normal path (which fetches it again). A verified file
+  is *sealed* (seals.py: its inode, ctime and size in this boot): a later daemon hands it over
+  unread while the seal matches, and queues it for the scrub;
 - a background scrub (``scrub``) re-verifies handed-over files at a bounded rate;
 - a handed-over block is held: eviction skips it until the kernel's last user releases it, so
   the capacity rule counts what the kernel still reads.
@@ -28,6 +30,7 @@ from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk import format as fmt
 from cachefs.tiers.key import WHOLE, BlockKey
 from cachefs.tiers.metrics import TierMetrics
+from cachefs.tiers.seals import Seals
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +59,35 @@ class ExactFile:
 
 
 class HandOver:
-    def __init__(self, disk: DiskTier | None, metrics: Metrics, scrub_bytes_s: float = 16 << 20) -> None:
+    def __init__(self, disk: DiskTier | None, metrics: Metrics, scrub_bytes_s: float = 16 << 20,
+                 seals: bool = True) -> None:
         self.disk = disk
         self.metrics = metrics.group(TierMetrics)
         self.scrub_bytes_s = scrub_bytes_s
         self._verified: dict[str, float] = {}     # digest -> when it was last verified (monotonic)
         self._held: dict[str, int] = {}           # digest -> hand-overs not yet released
         self._limiter = trio.CapacityLimiter(16)
+        self.seals = (Seals(os.path.join(disk.root, "seals"), live=disk.contains_digest)
+                      if seals and self.enabled else None)
 
     @property
     def enabled(self) -> bool:
         return self.disk is not None and self.disk.exact_files
 
     def now(self, key: BlockKey, size: int) -> ExactFile | None:
-        """The exact file of ``key`` if it was verified in this daemon's life; None if there is
-        none; NeedsWait if it needs verifying first (a disk read: ``get``)."""
+        """The exact file of ``key`` if it was verified in this daemon's life or its seal matches;
+        None if there is none; NeedsWait if it needs verifying first (a disk read: ``get``)."""
         if not self.enabled or not self.disk.contains(key):
             return None
-        if key.digest() not in self._verified:
-            raise NeedsWait
+        digest = key.digest()
+        if digest not in self._verified:
+            got = self._open(key, size)
+            if got is None:
+                return None
+            if not self._sealed(digest, got[0]):
+                os.close(got[0])
+                raise NeedsWait
+            return self._hold(*got, key, size)
         got = self._open(key, size)
         return self._hold(*got, key, size) if got is not None else None
 
@@ -84,13 +97,21 @@ class HandOver:
         if not self.enabled or not self.disk.contains(key):
             return None
         digest = key.digest()
-        if digest not in self._verified and key.index != WHOLE:
-            data = await self.disk.read_async(key, 0, size)
-            if data is None or len(data) != size:
-                self.metrics.scrub_files.labels("corrupt" if not self.disk.contains(key) else "ok").inc()
+        checked_here = digest not in self._verified
+        if checked_here:
+            got = self._open(key, size)
+            if got is None:
                 return None
-            self.metrics.scrub_files.labels("ok").inc()
-            self._verified[digest] = time.monotonic()
+            if self._sealed(digest, got[0]):
+                return self._hold(*got, key, size)
+            os.close(got[0])
+            if key.index != WHOLE:
+                data = await self.disk.read_async(key, 0, size)
+                if data is None or len(data) != size:
+                    self.metrics.scrub_files.labels("corrupt" if not self.disk.contains(key) else "ok").inc()
+                    return None
+                self.metrics.scrub_files.labels("ok").inc()
+                self._verified[digest] = time.monotonic()
         got = self._open(key, size)
         if got is None:
             return None
@@ -101,7 +122,18 @@ class HandOver:
                 os.close(got[0])
                 return None
             self._verified[digest] = time.monotonic()
+        if checked_here and self.seals is not None:
+            self.seals.seal(digest, os.fstat(got[0]))
         return self._hold(*got, key, size)
+
+    def _sealed(self, digest: str, fd: int) -> bool:
+        """Whether the open file ``fd`` is the one verified and sealed in this boot (seals.py): then
+        it counts as verified, and is queued for the scrub."""
+        if self.seals is None or not self.seals.matches(digest, os.fstat(fd)):
+            return False
+        self._verified[digest] = time.monotonic() - SCRUB_AGE
+        self.metrics.scrub_files.labels("sealed").inc()
+        return True
 
     async def _checked(self, digest: str, fd: int, header: fmt.BlockHeader, rate: float | None = None) -> bool:
         """``_verify``; a corrupt (or unreadable) file is counted and dropped from the disk tier."""
@@ -114,6 +146,8 @@ class HandOver:
 
     def _corrupt(self, digest: str, exc: Exception) -> None:
         self._verified.pop(digest, None)
+        if self.seals is not None:
+            self.seals.forget(digest)
         self.metrics.scrub_files.labels("corrupt").inc()
         self.disk.drop_corrupt(digest, exc if isinstance(exc, CorruptBlock) else CorruptBlock(str(exc)))
 

@@ -51,9 +51,10 @@ class TierMetrics:
         self.whole_files = Counter("cachefs_whole_files", "Large objects written as one exact cache file from "
                                    "their cached blocks (so passthrough can hand them to the kernel), by result",
                                    ["result"], registry=r)
-        # result in {ok, corrupt}
+        # result in {ok, corrupt, sealed}
         self.scrub_files = Counter("cachefs_scrub_files", "Exact cache files verified before their first "
-                                   "hand-over or by the background scrub, by result", ["result"], registry=r)
+                                   "hand-over or by the background scrub, by result (sealed: handed over "
+                                   "unread, its seal of this boot matching)", ["result"], registry=r)
         self.read_bytes = Counter("cachefs_read_bytes", "Bytes served to readers from any tier or the store, "
                                   "small files pushed into the page cache at open included", registry=r)
         # hedged GETs (cachefs/tiers/hedge.py): result in {won, lost, failed, cancelled}; reason in {budget, busy}

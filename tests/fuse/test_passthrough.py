@@ -1,7 +1,7 @@
 """FUSE passthrough from the disk tier, on real mounts against the S3 test server: a whole small
 object cached as an exact file is read by the kernel itself (no READ reaches the daemon), only
-after it was verified in this daemon's life; a corrupted cache file is never handed over (0 wrong
-bytes); mounts where it cannot apply say why; a handed-over file stays readable while open."""
+after it was verified in this boot (a later daemon trusts the seal of an unchanged file); a
+corrupted cache file is never handed over (0 wrong bytes), sealed or not; mounts where it cannot apply say why; a handed-over file stays readable while open."""
 
 import os
 import random
@@ -73,6 +73,12 @@ def test_cached_small_files_are_read_by_the_kernel_with_no_read_request(dataset,
     with open(mnt / "c0/f000.jpg", "rb") as one, open(mnt / "c0/f000.jpg", "rb") as two:   # one backing, shared
         assert one.read() == two.read() == FILES["c0/f000.jpg"]
     assert reads(metrics(port)) == reads(before)
+    mnt.umount()
+    mnt.start()                                            # a new daemon, the same boot: sealed files
+    assert read_all(mnt.path) == FILES
+    m = metrics(port)
+    assert m['cachefs_scrub_files_total{result="sealed"}'] == len(FILES)   # handed over unread
+    assert m.get('cachefs_scrub_files_total{result="ok"}', 0) == 0 and reads(m) == 0
 
 
 @pytest.mark.allow_warnings          # the dropped cache files are logged
@@ -81,6 +87,9 @@ def test_corrupt_cache_files_are_never_handed_over(dataset, mount_factory):
     port = free_port()
     mnt = mount(mount_factory, url, args, port, "--immutable")
     read_all(mnt.path)
+    mnt.umount()
+    mnt.start()
+    read_all(mnt.path)                                     # verified, handed over and sealed
     mnt.umount()
     damaged = exact_files(mnt.cache_dir)[:8]
     for i, path in enumerate(damaged):       # a flipped byte, a truncation, a lost or garbled header
@@ -99,6 +108,7 @@ def test_corrupt_cache_files_are_never_handed_over(dataset, mount_factory):
     assert read_all(mnt.path) == FILES                     # 0 wrong bytes
     m = metrics(port)
     assert m["cachefs_passthrough_opens_total"] <= len(FILES) - len(damaged)
+    assert m['cachefs_scrub_files_total{result="sealed"}'] <= len(FILES) - len(damaged)   # a seal no damage keeps
     assert m['cachefs_scrub_files_total{result="corrupt"}'] + m.get("cachefs_corrupt_blocks_total", 0) >= 2
     mnt.umount()
     mnt.start()                                            # the damaged ones were fetched again, intact
@@ -163,7 +173,7 @@ def wait_assembled(port: int, count: int) -> None:
 def test_a_large_object_is_written_whole_and_read_by_the_kernel_verified(s3_server, bucket, mount_factory):
     """Once every block of a large object is cached, an open writes it as one exact file in the
     background; from then on opens hand that file to the kernel (no READ reaches the daemon), only
-    after it was verified in this daemon's life; a corrupted one is dropped, never handed over."""
+    after it was verified in this boot; a corrupted one is dropped, never handed over."""
     put_tree(s3_client(s3_server.endpoint_url), bucket, "big", {"ckpt/model.safetensors": LARGE})
     port = free_port()
     mnt = mount(mount_factory, f"s3://{bucket}/big", ("--endpoint-url", s3_server.endpoint_url), port,
@@ -188,7 +198,7 @@ def test_a_large_object_is_written_whole_and_read_by_the_kernel_verified(s3_serv
     after = metrics(port)
     assert after["cachefs_passthrough_opens_total"] == 1
     assert reads(after) == reads(before)                                 # the kernel read it all itself
-    assert after['cachefs_scrub_files_total{result="ok"}'] >= 1          # verified before the hand-over
+    assert after['cachefs_scrub_files_total{result="sealed"}'] == 1      # verified by the first daemon
     mnt.umount()
 
     data = bytearray(whole.read_bytes())                                 # one flipped byte in the last chunk

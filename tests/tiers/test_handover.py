@@ -4,9 +4,12 @@ round every handed-over file (small exact files and whole-object files) and drop
 
 import os
 import random
+import time
 
+import pytest
 import trio
 
+from cachefs.errors import NeedsWait
 from cachefs.metrics import Metrics
 from cachefs.tiers import handover as handover_module
 from cachefs.tiers.disk import DiskTier
@@ -92,3 +95,75 @@ def test_the_scrub_paces_itself_inside_a_large_file(tmp_path, monkeypatch):
             assert trio.current_time() - began >= 1.9                  # 8 steps at 4 a second
             nursery.cancel_scope.cancel()
     trio.run(main)
+
+
+@pytest.mark.allow_warnings          # the corrupt file is logged
+def test_a_later_daemon_hands_sealed_files_over_unread_and_verifies_a_changed_one(tmp_path):
+    """Verified once in this boot: a second HandOver (a new daemon) over the same files hands them
+    over with no read (``now`` answers at once) and queues them for the scrub; a file written to
+    since its seal is read and checked first (and dropped, being corrupt); with seals off every
+    file is verified again."""
+    small = {f"s{i}": random.Random(i).randbytes(1000 + 37 * i) for i in range(4)}
+
+    def tier(metrics):
+        return DiskTier(tmp_path, capacity=64 << 20, free_space_ratio=0.0, metrics=metrics, fsync=False,
+                        chunk_size=4096, exact_files=True)
+
+    async def first():
+        metrics = Metrics()
+        disk = tier(metrics)
+        hand = HandOver(disk, metrics)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(disk.run)
+            for name, data in small.items():
+                assert await disk.fill(key(name), data)
+                exact = await hand.get(key(name), len(data))
+                os.close(exact.fd)
+                hand.release(exact)
+            assert metrics.counter_value("cachefs_scrub_files_total", result="ok") == len(small)
+            nursery.cancel_scope.cancel()
+        hand.seals.close()
+
+    async def later(seals: bool, changed: str | None = None):
+        metrics = Metrics()
+        disk = tier(metrics)
+        hand = HandOver(disk, metrics, seals=seals)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(disk.run)
+            handed = {}
+            for name, data in small.items():
+                try:
+                    exact = hand.now(key(name), len(data))
+                except NeedsWait:
+                    exact = await hand.get(key(name), len(data))
+                if exact is not None:
+                    handed[name] = os.pread(exact.fd, len(data) + 1, 0)
+                    os.close(exact.fd)
+                    hand.release(exact)
+            nursery.cancel_scope.cancel()
+        return metrics, hand, handed
+
+    trio.run(first)
+    metrics, hand, handed = trio.run(later, True)
+    assert handed == small
+    assert metrics.counter_value("cachefs_scrub_files_total", result="sealed") == len(small)
+    assert metrics.counter_value("cachefs_scrub_files_total", result="ok") == 0
+    assert set(hand._verified) == {key(n).digest() for n in small}        # queued for the scrub at once
+    assert all(when <= time.monotonic() - handover_module.SCRUB_AGE for when in hand._verified.values())
+
+    victim = DiskTier(tmp_path, capacity=64 << 20, free_space_ratio=0.0, metrics=Metrics(),
+                      exact_files=True).layout.block_path(key("s2").digest())
+    with open(victim, "r+b") as fh:                      # one byte flipped in place: a new ctime
+        fh.seek(7)
+        byte = fh.read(1)
+        fh.seek(7)
+        fh.write(bytes([byte[0] ^ 1]))
+    metrics, hand, handed = trio.run(later, True)
+    assert handed == {n: d for n, d in small.items() if n != "s2"}         # never the changed file
+    assert metrics.counter_value("cachefs_scrub_files_total", result="sealed") == len(small) - 1
+    assert metrics.counter_value("cachefs_corrupt_blocks_total") >= 1
+
+    metrics, hand, handed = trio.run(later, False)
+    assert hand.seals is None and handed == {n: d for n, d in small.items() if n != "s2"}
+    assert metrics.counter_value("cachefs_scrub_files_total", result="sealed") == 0
+    assert metrics.counter_value("cachefs_scrub_files_total", result="ok") == len(small) - 1

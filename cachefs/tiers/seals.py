@@ -1,0 +1,151 @@
+"""Seals: which exact cache files were verified in this boot, and are the same files since.
+
+A file handed to the kernel (FUSE passthrough) is read by the kernel, not by us, so it is
+verified against its header before its first hand-over (handover.py). Without more, a new daemon
+(a restart, an upgrade, a remount on the same node) would read and check every file again before
+handing it over: on a dataset of small files that read is most of what a disk-tier epoch costs.
+
+A *seal* records, for a file once verified, its inode number, its ctime in nanoseconds and its
+size. A new daemon hands a file over without reading it when its seal matches what ``fstat``
+says now, and only in the boot the seal was made in:
+
+- anything that writes to the file through the kernel (a write, a truncate, an mmap store, a
+  copy or restore into place, a chmod or an xattr change) gives it a new ctime, which userspace
+  cannot set back; a replaced file has another inode;
+- a machine crash or reboot (the one case where a file's data could be lost under an unchanged
+  inode: pages not yet written back) starts a new boot, and every seal of the old one is void;
+- seals are hints, kept in one small file beside the blocks; a torn or garbled record (a
+  checksum each) ends the reading, and a missing record only means a read we would do anyway.
+
+What a seal cannot see (a write to the raw block device, media corruption under the
+filesystem) is what the scrub is for: a sealed file handed over is queued for the rate-limited
+scrub at once, so a restarted daemon re-verifies its files in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"cachefs-seals 1 "
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_RECORD = struct.Struct("<20sQqQI")     # digest (raw), st_ino, st_ctime_ns, st_size, crc32 of the rest
+_BODY = _RECORD.size - 4
+
+
+def boot_id() -> bytes:
+    """This boot's id (36 ASCII bytes); empty where the kernel does not say (then nothing is sealed)."""
+    try:
+        with open(_BOOT_ID, "rb") as fh:
+            return fh.read().strip()[:36]
+    except OSError:
+        return b""
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_ctime_ns, st.st_size
+
+
+class Seals:
+    """The seals of one disk tier, in ``path``: a header naming the boot, then fixed records."""
+
+    def __init__(self, path: str, live=None, boot: bytes | None = None) -> None:
+        self.path = path
+        self.boot = boot_id() if boot is None else boot
+        self._live = live           # digest -> whether the tier still holds it (kept on a rewrite)
+        self._seals: dict[str, tuple[int, int, int]] = {}
+        self._fd = -1
+        self._written = 0           # records in the file
+        self._rewrite_at = 4096     # ... when a rewrite keeps only the live seals
+        if self.boot:
+            self._open()
+
+    def __len__(self) -> int:
+        return len(self._seals)
+
+    def matches(self, digest: str, st: os.stat_result) -> bool:
+        """Whether ``digest``'s file, as ``st`` describes it, is the one sealed in this boot."""
+        return self._seals.get(digest) == _stamp(st)
+
+    def seal(self, digest: str, st: os.stat_result) -> None:
+        """``digest``'s file, as ``st`` describes it, was just verified."""
+        if self._fd < 0 or self._seals.get(digest) == _stamp(st):
+            return
+        self._seals[digest] = _stamp(st)
+        try:
+            os.write(self._fd, self._record(digest, *_stamp(st)))
+            self._written += 1
+            if self._written >= self._rewrite_at:
+                self._rewrite(prune=True)
+        except OSError as exc:          # a hint lost: the file is read again by the next daemon
+            log.warning("cannot record a verified cache file in %s: %s", self.path, exc)
+
+    def forget(self, digest: str) -> None:
+        """``digest``'s file failed a check or was dropped (its record stays until a rewrite: a new
+        file of that name has another inode or ctime)."""
+        self._seals.pop(digest, None)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # -- the file --
+
+    @staticmethod
+    def _record(digest: str, ino: int, ctime_ns: int, size: int) -> bytes:
+        body = _RECORD.pack(bytes.fromhex(digest), ino, ctime_ns, size, 0)[:_BODY]
+        return body + struct.pack("<I", zlib.crc32(body))
+
+    def _open(self) -> None:
+        header = MAGIC + self.boot + b"\n"
+        try:
+            with open(self.path, "rb") as fh:
+                data = fh.read()
+        except (FileNotFoundError, NotADirectoryError):
+            data = b""
+        except OSError as exc:
+            log.warning("cannot read %s (%s): every cache file is verified again", self.path, exc)
+            data = b""
+        if data.startswith(header):
+            self._load(memoryview(data)[len(header):])
+        elif data:
+            log.info("cache file seals of an earlier boot dropped: files are verified again before their hand-over")
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._rewrite()
+        except OSError as exc:
+            log.warning("cannot write %s (%s): verified cache files are not sealed", self.path, exc)
+            self.close()
+
+    def _load(self, view: memoryview) -> None:
+        for at in range(0, len(view) - _RECORD.size + 1, _RECORD.size):
+            raw, ino, ctime_ns, size, crc = _RECORD.unpack_from(view, at)
+            if zlib.crc32(view[at:at + _BODY]) != crc:
+                log.warning("%s: a damaged record at byte %d; the seals after it are dropped", self.path, at)
+                break
+            self._seals[raw.hex()] = (ino, ctime_ns, size)
+
+    def _rewrite(self, prune: bool = False) -> None:
+        """The seals into a new file, renamed over the old one (``prune``: only those of files the
+        tier still holds); appends go to the new one."""
+        if prune and self._live is not None:
+            self._seals = {d: s for d, s in self._seals.items() if self._live(d)}
+        tmp = self.path + ".tmp"
+        records = b"".join(self._record(d, *s) for d, s in self._seals.items())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, MAGIC + self.boot + b"\n" + records)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        os.rename(tmp, self.path)
+        self.close()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._written = len(self._seals)
+        self._rewrite_at = max(4096, 2 * self._written)
