@@ -69,6 +69,7 @@ class HandOver:
         self._limiter = trio.CapacityLimiter(16)
         self.seals = (Seals(os.path.join(disk.root, "seals"), live=disk.contains_digest)
                       if seals and self.enabled else None)
+        self._sealed_files = self.metrics.scrub_files.labels("sealed")     # once: labels() is not free
 
     @property
     def enabled(self) -> bool:
@@ -132,7 +133,7 @@ class HandOver:
         if self.seals is None or not self.seals.matches(digest, os.fstat(fd)):
             return False
         self._verified[digest] = time.monotonic() - SCRUB_AGE
-        self.metrics.scrub_files.labels("sealed").inc()
+        self._sealed_files.inc()
         return True
 
     async def _checked(self, digest: str, fd: int, header: fmt.BlockHeader, rate: float | None = None) -> bool:
@@ -174,7 +175,7 @@ class HandOver:
                     await self._scrub_one(digest)
 
     async def _scrub_one(self, digest: str) -> None:
-        path = self.disk.layout.block_path(digest)
+        path = self.disk.layout.block_file(digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

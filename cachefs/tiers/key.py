@@ -6,7 +6,7 @@ shares a cache entry with an old one.
 """
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: the index of a whole-object file's key: all of a large object in one exact cache file
 #: (FUSE passthrough hands it to the kernel), beside or instead of its blocks
@@ -20,6 +20,7 @@ class BlockKey:
     etag: str         # the version the reader pinned
     block_size: int
     index: int
+    _digest: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def at(self, index: int) -> "BlockKey":
         """The key of block ``index`` (or ``WHOLE``) of the same object version and block size."""
@@ -30,6 +31,10 @@ class BlockKey:
         return self.index * self.block_size
 
     def digest(self) -> str:
-        """Hex name of this block in the disk tier (stable across releases)."""
-        raw = "\0".join((self.store, self.path, self.etag, str(self.block_size), str(self.index)))
-        return hashlib.blake2b(raw.encode("utf-8", "surrogateescape"), digest_size=20).hexdigest()
+        """Hex name of this block in the disk tier (stable across releases); computed once per key."""
+        digest = self._digest
+        if digest is None:
+            raw = "\0".join((self.store, self.path, self.etag, str(self.block_size), str(self.index)))
+            digest = hashlib.blake2b(raw.encode("utf-8", "surrogateescape"), digest_size=20).hexdigest()
+            object.__setattr__(self, "_digest", digest)
+        return digest

@@ -230,7 +230,7 @@ class DiskTier:
         if not self.contains(key):
             return None
         try:
-            return os.open(self.layout.block_path(key.digest()), os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(self.layout.block_file(key.digest()), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
 
