@@ -147,10 +147,10 @@ class MountConfig:
                 "version of a changing object then has its own inode) and not packed, and the daemon may "
                 "(CAP_SYS_ADMIN); off: every read goes through the daemon"})
     passthrough_seals: bool = field(default=True, metadata={
-        "help": "a cache file verified before its hand-over is sealed (its inode, ctime and size, in this "
-                "boot): a later daemon (a restart, an upgrade, a remount) hands it over unread while the seal "
-                "matches and re-verifies it in the background scrub; off: every daemon reads and checks "
-                "each file again before its first hand-over"})
+        "help": "a cache file for passthrough is read back and checked as it is written, and sealed (its "
+                "inode, ctime and size, in this boot): this daemon and later ones (a restart, an upgrade, a "
+                "remount) hand it over unread while the seal matches (a later one re-verifies it in the "
+                "background scrub); off: every daemon reads and checks each file before its first hand-over"})
     fuse_backend: str = field(default_factory=lambda: os.environ.get("CACHEFS_FUSE_BACKEND", "cachefs"), metadata={
         "help": "who speaks the FUSE protocol: cachefs (its own layer over /dev/fuse) or pyfuse3 "
                 "(libfuse 3; kept for one release). The default comes from $CACHEFS_FUSE_BACKEND if set",

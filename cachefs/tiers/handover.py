@@ -30,23 +30,10 @@ from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk import format as fmt
 from cachefs.tiers.key import WHOLE, BlockKey
 from cachefs.tiers.metrics import TierMetrics
-from cachefs.tiers.seals import Seals
 
 log = logging.getLogger(__name__)
 
 SCRUB_AGE = 600.0           # seconds before the scrub verifies a file again
-_VERIFY_STEP = 8 << 20      # bytes checked per worker-thread call
-
-
-def _verify_range(fd: int, header: fmt.BlockHeader, first: int, buf: bytearray) -> None:
-    """Worker thread: check the chunks of the ``len(buf)`` bytes at ``first`` of an exact file
-    (``first`` on a chunk boundary), read into ``buf`` (reused: no allocation per step; read,
-    not mapped, so a file cut short under us is an error, never a SIGBUS)."""
-    with memoryview(buf) as view:
-        got = os.preadv(fd, [view], first)
-        if got != len(buf):
-            raise CorruptBlock(f"truncated: {first + got} of {header.data_len} bytes")
-        header.verify(first // header.chunk_size, view)
 
 
 @dataclass(slots=True)
@@ -59,16 +46,14 @@ class ExactFile:
 
 
 class HandOver:
-    def __init__(self, disk: DiskTier | None, metrics: Metrics, scrub_bytes_s: float = 16 << 20,
-                 seals: bool = True) -> None:
+    def __init__(self, disk: DiskTier | None, metrics: Metrics, scrub_bytes_s: float = 16 << 20) -> None:
         self.disk = disk
         self.metrics = metrics.group(TierMetrics)
         self.scrub_bytes_s = scrub_bytes_s
         self._verified: dict[str, float] = {}     # digest -> when it was last verified (monotonic)
         self._held: dict[str, int] = {}           # digest -> hand-overs not yet released
         self._limiter = trio.CapacityLimiter(16)
-        self.seals = (Seals(os.path.join(disk.root, "seals"), live=disk.contains_digest)
-                      if seals and self.enabled else None)
+        self.seals = disk.seals if disk is not None else None       # kept by the disk tier (seals.py)
         self._sealed_files = self.metrics.scrub_files.labels("sealed")     # once: labels() is not free
 
     @property
@@ -132,7 +117,8 @@ class HandOver:
         it counts as verified, and is queued for the scrub."""
         if self.seals is None or not self.seals.matches(digest, os.fstat(fd)):
             return False
-        self._verified[digest] = time.monotonic() - SCRUB_AGE
+        # checked as it was written by this daemon: scrubbed in its turn; else at once
+        self._verified[digest] = time.monotonic() - (SCRUB_AGE if self.seals.inherited(digest) else 0)
         self._sealed_files.inc()
         return True
 
@@ -210,12 +196,12 @@ class HandOver:
             raise CorruptBlock(f"file has {size} bytes, header says {header.data_len}")
         if rate is None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        step = max(header.chunk_size, _VERIFY_STEP // header.chunk_size * header.chunk_size)
+        step = max(header.chunk_size, fmt.VERIFY_STEP // header.chunk_size * header.chunk_size)
         buf = bytearray(min(step, size))
         for first in range(0, size, step):
             if size - first < len(buf):
                 buf = bytearray(size - first)
-            await in_thread(_verify_range, fd, header, first, buf, limiter=self._limiter)
+            await in_thread(fmt.verify_range, fd, header, first, buf, limiter=self._limiter)
             if rate:
                 await trio.sleep(len(buf) / rate)
         self.metrics.scrub_files.labels("ok").inc()

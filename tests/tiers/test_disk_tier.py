@@ -16,6 +16,7 @@ from cachefs.metrics import Metrics
 from cachefs.tiers.disk import BlockHeader, DiskHealth, DiskTier
 from cachefs.tiers.disk import format as block_format
 from cachefs.tiers.disk import reader as disk_reader
+from cachefs.tiers.disk.direct import DirectWrites
 from cachefs.tiers.key import BlockKey
 
 BS = 64 << 10          # block size used by most tests
@@ -648,7 +649,7 @@ def test_one_writer_while_fills_are_few_more_as_the_queue_grows(tmp_path):
     """Reader fills take one writer thread while little is queued (small files), and up to
     fill_workers when the queued bytes grow (a large file read cold): writers beside each other
     cost the trio thread CPU and GIL time for nothing when one keeps up."""
-    from cachefs.tiers.disk.tier import WRITER_SCALE
+    from cachefs.tiers.disk.fills import WRITER_SCALE
     big = 2 * WRITER_SCALE // 5                     # five of them: two writers' worth queued
     tier = make_tier(tmp_path, capacity=256 << 20, fill_workers=3)
     running, most = [0], []
@@ -838,7 +839,7 @@ def resident_bytes(path: Path) -> int:
 def test_direct_writes_skip_the_page_cache_and_read_back_exactly(tmp_path, size):
     """A block file written with O_DIRECT (the tail padded, then truncated) has its exact size,
     parses and holds the bytes, like a buffered one."""
-    direct = block_format.DirectWrites()
+    direct = DirectWrites()
     data = random.Random(size).randbytes(size)
     (tmp_path / "tmp").mkdir()
     for name, how in (("direct", direct), ("buffered", None)):
@@ -857,7 +858,7 @@ def test_direct_writes_skip_the_page_cache_and_read_back_exactly(tmp_path, size)
 
 def test_direct_writes_leave_no_page_behind(tmp_path):
     """What O_DIRECT is for: no copy in the page cache (a buffered write leaves it all there)."""
-    direct = block_format.DirectWrites()
+    direct = DirectWrites()
     data = random.Random(3).randbytes(1 << 20)
     (tmp_path / "tmp").mkdir()
     for name, how in (("direct", direct), ("buffered", None)):
@@ -872,7 +873,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
     """EINVAL for O_DIRECT (at open, or at the first write: an alignment the device refuses): the
     block is written buffered, right, with no temp file left, and that file system is not asked
     again."""
-    direct = block_format.DirectWrites()
+    direct = DirectWrites()
     tries = []
     real_open, real_pwritev = os.open, os.pwritev
 
@@ -908,7 +909,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
 
 
 def test_a_failed_direct_write_leaves_no_temp_file_and_raises(tmp_path, monkeypatch):
-    direct = block_format.DirectWrites()
+    direct = DirectWrites()
 
     def pwritev(fd, buffers, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -923,7 +924,7 @@ def test_a_failed_direct_write_leaves_no_temp_file_and_raises(tmp_path, monkeypa
 
 
 def test_direct_write_buffers_are_reused_and_bounded():
-    direct = block_format.DirectWrites(keep=2)
+    direct = DirectWrites(keep=2)
     bufs = [direct.take(5000) for _ in range(3)]
     assert all(len(b) >= 5000 and len(b) % (1 << 20) == 0 for b in bufs)
     for b in bufs:
@@ -939,7 +940,7 @@ def test_small_buffers_do_not_hold_the_pool():
     """A full pool hands its smallest buffer back to the kernel, not the large one just returned:
     otherwise a few small writes (a shard's tail block) would make every later large write map,
     fault in and unmap a buffer of its own."""
-    direct = block_format.DirectWrites(keep=2)
+    direct = DirectWrites(keep=2)
     small = [direct.take(5000) for _ in range(2)]
     big = direct.take(3 << 20)
     for b in small + [big]:
@@ -950,7 +951,7 @@ def test_small_buffers_do_not_hold_the_pool():
 
 
 def test_the_pool_keeps_a_bounded_number_of_bytes():
-    direct = block_format.DirectWrites(keep=8, keep_bytes=3 << 20)
+    direct = DirectWrites(keep=8, keep_bytes=3 << 20)
     small = [direct.take(5000) for _ in range(3)]         # 1 MiB each
     for b in small:
         direct.give(b)

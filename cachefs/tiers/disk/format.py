@@ -11,16 +11,18 @@ import logging
 import mmap
 import os
 import struct
-import threading
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
 
 from cachefs.errors import CorruptBlock
+
+if TYPE_CHECKING:
+    from cachefs.tiers.disk.direct import DirectWrites
 
 log = logging.getLogger(__name__)
 
@@ -268,9 +270,11 @@ class NoXattrs(OSError):
 
 
 def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, chunk_size: int,
-                     fsync: bool, direct: DirectWrites | None = None, exact: bool = False) -> list[OSError]:
+                     fsync: bool, direct: DirectWrites | None = None, exact: bool = False,
+                     sealed: Sealed | None = None) -> list[OSError]:
     """Unlink the evicted files, then write ``data`` crash-safely as ``final`` (``exact``: the data
-    alone, its header in ``XATTR``; NoXattrs when the filesystem cannot keep one, nothing written).
+    alone, its header in ``XATTR``; NoXattrs when the filesystem cannot keep one, nothing written;
+    ``sealed``: an exact file is read back and checked, see ``check_written``).
 
     Returns the unlink errors (missing files are not errors); raises OSError if the write fails.
     """
@@ -285,11 +289,61 @@ def write_block_file(doomed: list[Path], tmp: Path, final: Path, data: bytes, ch
                 written = os.writev(fd, [header, data])
                 if written < len(header) + len(data):    # a short writev (rare): finish the rest
                     write_all(fd, (header + data)[written:])
-                _finish(fd, fsync, xattr)
+                finish(fd, fsync, xattr)
             finally:
                 os.close(fd)
     _publish(tmp, final, write)
+    if exact and sealed is not None:
+        check_written(final, sealed, direct is not None)
     return errors
+
+
+Sealed = Callable[[os.stat_result], None]
+
+
+def verify_range(fd: int, header: BlockHeader, first: int, buf: bytearray) -> None:
+    """Check the chunks of the ``len(buf)`` bytes at ``first`` of an exact file (``first`` on a
+    chunk boundary), read into ``buf`` (reused: no allocation per step; read, not mapped, so a
+    file cut short under us is an error, never a SIGBUS)."""
+    with memoryview(buf) as view:
+        got = os.preadv(fd, [view], first)
+        if got != len(buf):
+            raise CorruptBlock(f"truncated: {first + got} of {header.data_len} bytes")
+        header.verify(first // header.chunk_size, view)
+
+
+VERIFY_STEP = 8 << 20       # bytes checked per read
+
+
+def check_written(final: Path, sealed: Sealed, uncached: bool) -> None:
+    """Read the exact file just published as ``final`` back, every chunk checked against its
+    header, and hand its ``fstat`` to ``sealed`` (a file read back right is as good as one
+    verified before its first hand-over). ``uncached``: it was written around the page cache,
+    and the read-back leaves none of it there either. A file that fails is unlinked, and the
+    error raised (CorruptBlock: the fill is dropped)."""
+    try:
+        fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            header = exact_header(fd)
+            st = os.fstat(fd)
+            if header is None or st.st_size != header.data_len:
+                raise CorruptBlock(f"written {st.st_size} bytes, header says "
+                                   f"{header.data_len if header else 'nothing'}")
+            step = max(header.chunk_size, VERIFY_STEP // header.chunk_size * header.chunk_size)
+            buf = bytearray(min(step, st.st_size))
+            for first in range(0, st.st_size, step):
+                if st.st_size - first < len(buf):
+                    buf = bytearray(st.st_size - first)
+                verify_range(fd, header, first, buf)
+            if uncached:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except (OSError, CorruptBlock):
+        with suppress(OSError):
+            os.unlink(final)
+        raise
+    sealed(st)
 
 
 def _publish(tmp: Path, final: Path, write: Callable[[], None]) -> None:
@@ -321,7 +375,7 @@ def whole_chunk_size(data_len: int, block_size: int) -> int | None:
 
 
 def write_whole_file(doomed: list[Path], tmp: Path, final: Path, blocks: list[tuple[str, int]], chunk_size: int,
-                     fsync: bool, direct: DirectWrites | None = None) -> list[OSError]:
+                     fsync: bool, direct: DirectWrites | None = None, sealed: Sealed | None = None) -> list[OSError]:
     """Unlink the evicted files, then write the object whose block files are ``blocks`` (path,
     data length; every block but the last is one ``chunk_size`` divisor long) as one exact file
     ``final``: every block read verified, its bytes copied to their offset, chunk digests of the
@@ -335,7 +389,7 @@ def write_whole_file(doomed: list[Path], tmp: Path, final: Path, blocks: list[tu
         try:
             digests = _copy_blocks(fd, buf, blocks, chunk_size)
             os.ftruncate(fd, data_len)
-            _finish(fd, fsync, BlockHeader.encode_digests(data_len, chunk_size, digests))
+            finish(fd, fsync, BlockHeader.encode_digests(data_len, chunk_size, digests))
         except OSError as exc:
             if buf is None or exc.errno != errno.EINVAL or isinstance(exc, NoXattrs):
                 raise
@@ -349,6 +403,8 @@ def write_whole_file(doomed: list[Path], tmp: Path, final: Path, blocks: list[tu
         direct.refuse(tmp.parent)
         write()
     _publish(tmp, final, write)
+    if sealed is not None:
+        check_written(final, sealed, direct is not None)
     return errors
 
 
@@ -393,10 +449,10 @@ def _write_at(fd: int, buf: mmap.mmap | None, data: bytes, offset: int) -> None:
             done = os.pwrite(fd, view, offset)
             view, offset = view[done:], offset + done
         return
-    _pwrite_padded(fd, buf, (data,), offset)
+    pwrite_padded(fd, buf, (data,), offset)
 
 
-def _pwrite_padded(fd: int, buf: mmap.mmap, parts: tuple[bytes, ...], offset: int) -> int:
+def pwrite_padded(fd: int, buf: mmap.mmap, parts: tuple[bytes, ...], offset: int) -> int:
     """Copy ``parts`` one after another into the aligned ``buf``, zero-pad to a ``HEADER_ALIGN``
     multiple and pwrite that at ``offset`` (an O_DIRECT write); the bytes of ``parts``."""
     at = 0
@@ -412,7 +468,7 @@ def _pwrite_padded(fd: int, buf: mmap.mmap, parts: tuple[bytes, ...], offset: in
     return at
 
 
-def _finish(fd: int, fsync: bool, xattr: bytes | None) -> None:
+def finish(fd: int, fsync: bool, xattr: bytes | None) -> None:
     """Set an exact file's header attribute, then make the file durable (a full fsync then:
     the attribute is metadata)."""
     if xattr is not None:
@@ -424,109 +480,6 @@ def _finish(fd: int, fsync: bool, xattr: bytes | None) -> None:
             raise
     if fsync:
         (os.fsync if xattr is not None else os.fdatasync)(fd)
-
-
-class DirectWrites:
-    """Block files written with O_DIRECT from page-aligned buffers that are reused, not through the
-    page cache (``--cache-direct-io``, on by default).
-
-    A buffered write copies every byte into page-cache pages: on the VMs we measure on, where a
-    page the guest has not touched lately faults to the host, 2.4-2.6 CPU-seconds per GiB, half
-    the daemon's CPU in a packed cold epoch; O_DIRECT from a reused buffer takes 0.2 s. It also
-    keeps a dataset larger than RAM from pushing everything else out of the page cache as it is
-    cached. Reads stay buffered.
-
-    The data goes through one copy into a page-aligned buffer; the tail is padded to
-    ``HEADER_ALIGN`` and the file truncated to its exact size. A file system that refuses O_DIRECT
-    (EINVAL: tmpfs before Linux 6.6, some FUSE or network file systems) gets buffered writes from
-    then on, logged once: ``refused`` holds its device numbers.
-
-    Between writes the pool keeps at most ``keep`` buffers and ``keep_bytes`` bytes (but always
-    one buffer): a buffer per writer with the default 4 MiB blocks, fewer with large blocks, so
-    ``--block-size 64M`` does not hold 12 x 65 MiB for good."""
-
-    def __init__(self, keep: int = 8, keep_bytes: int = 96 << 20) -> None:
-        self.keep = keep
-        self.keep_bytes = keep_bytes
-        self.refused: set[int] = set()
-        self._free: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-
-    def write(self, tmp: Path, header: bytes, data: bytes, fsync: bool, xattr: bytes | None = None) -> bool:
-        """Write ``header + data`` as the new file ``tmp``; False (and no file) when its file
-        system refuses O_DIRECT: the caller then writes it buffered."""
-        fd = self.open(tmp)
-        if fd is None:
-            return False
-        total = len(header) + len(data)
-        buf = self.take(round_up(total, HEADER_ALIGN))
-        try:
-            _pwrite_padded(fd, buf, (header, data), 0)
-            if total % HEADER_ALIGN:
-                os.ftruncate(fd, total)
-            _finish(fd, fsync, xattr)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or isinstance(exc, NoXattrs):    # the caller removes tmp
-                raise
-            os.unlink(tmp)                         # an alignment this device refuses: buffered it is
-            self.refuse(tmp.parent)
-            return False
-        finally:
-            self.give(buf)
-            os.close(fd)
-        return True
-
-    def open(self, tmp: Path) -> int | None:
-        """The new file ``tmp`` opened O_DIRECT for writing, or None (and no file) where its file
-        system refuses O_DIRECT."""
-        if self.refused and _device(tmp.parent) in self.refused:
-            return None
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self.refuse(tmp.parent)
-            return None
-
-    def mode(self) -> str:
-        """How block files are written now: ``O_DIRECT``, or buffered after a refusal."""
-        return "buffered (O_DIRECT refused)" if self.refused else "O_DIRECT"
-
-    def refuse(self, directory: Path) -> None:
-        """Write buffered from now on on the file system of ``directory`` (it refused O_DIRECT)."""
-        device = _device(directory)
-        if device not in self.refused:
-            self.refused.add(device)
-            log.info("disk tier: the file system of %s refuses O_DIRECT; block files are written "
-                     "through the page cache", directory)
-
-    def take(self, size: int) -> mmap.mmap:
-        """A page-aligned buffer of at least ``size`` bytes, from the pool when one fits."""
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if len(buf) >= size:
-                    return self._free.pop(i)
-        return mmap.mmap(-1, round_up(size, 1 << 20))     # anonymous mappings are page-aligned
-
-    def give(self, buf: mmap.mmap) -> None:
-        """Back to the pool; past ``keep`` buffers or ``keep_bytes`` the smallest go. Dropping the
-        one handed back instead let a few small buffers (a shard's tail block, an index file) hold
-        the pool for good while every large write mapped, faulted in and unmapped one of its own."""
-        dropped = []
-        with self._lock:
-            self._free.append(buf)
-            while len(self._free) > 1 and (len(self._free) > self.keep
-                                           or sum(map(len, self._free)) > self.keep_bytes):
-                smallest = min(reversed(self._free), key=len)     # of equals, the one handed back
-                self._free.remove(smallest)
-                dropped.append(smallest)
-        for b in dropped:
-            b.close()
-
-
-def _device(directory: Path) -> int:
-    return os.stat(directory).st_dev
 
 
 def unlink_paths(paths: list[Path]) -> list[OSError]:

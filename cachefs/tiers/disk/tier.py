@@ -15,7 +15,6 @@ import math
 import os
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -25,10 +24,13 @@ from cachefs.metrics import Metrics
 from cachefs.sched import in_thread
 from cachefs.tiers.disk import format as fmt
 from cachefs.tiers.disk import index as layout
+from cachefs.tiers.disk.direct import DirectWrites
+from cachefs.tiers.disk.fills import FillBudget, FillJob
 from cachefs.tiers.disk.format import BlockHeader
 from cachefs.tiers.disk.health import DiskHealth, HealthWatch
 from cachefs.tiers.disk.index import Entry, Layout, SegmentedLRU
 from cachefs.tiers.disk.reader import BlockReader
+from cachefs.tiers.disk.seals import Seals
 from cachefs.tiers.disk.space import Room, Space
 from cachefs.tiers.key import BlockKey
 from cachefs.tiers.metrics import TierMetrics
@@ -37,18 +39,6 @@ from cachefs.tiers.pins import PinSet
 log = logging.getLogger(__name__)
 
 _TIER = "disk"
-WRITER_SCALE = 8 << 20     # queued and running fill bytes per extra writer thread (_scale_writers)
-
-
-@dataclass(eq=False)
-class _FillJob:
-    digest: str
-    data: bytes
-    done: trio.Event = field(default_factory=trio.Event)
-    ok: bool = False
-    cancelled: bool = False
-    low: bool = False         # a warm fill: its own writer threads, outside the fill queue's budget
-    exact: bool = False       # written as an exact file (the data alone: passthrough can hand it over)
 
 
 class DiskTier:
@@ -61,21 +51,23 @@ class DiskTier:
         return cls(os.path.join(cfg.cache_dir, "blocks"), capacity=cfg.cache_size,
                    free_space_ratio=cfg.free_space_ratio, metrics=metrics, fsync=cfg.fsync_cache_files,
                    fill_workers=cfg.fill_workers, direct_io=cfg.cache_direct_io, exact_files=exact_files,
-                   max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20))
+                   max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20), seals=cfg.passthrough_seals)
 
     def __init__(self, root: Path, *, capacity: int, free_space_ratio: float, metrics: Metrics,
                  fsync: bool = True, fill_workers: int = 4, max_pending_fill_bytes: int = 256 << 20,
                  chunk_size: int = 128 << 10, health: DiskHealth | None = None,
-                 warm_workers: int = 8, direct_io: bool = True, exact_files: bool = False) -> None:
+                 warm_workers: int = 8, direct_io: bool = True, exact_files: bool = False,
+                 seals: bool = True) -> None:
         self.layout = Layout(root)
-        # single-block objects as exact files (format.XATTR): FUSE passthrough hands them to the kernel
+        # single-block objects as exact files (format.XATTR): FUSE passthrough hands them to the kernel;
+        # each read back as written and sealed (seals.py): handed over with no read first
         self.exact_files = exact_files
         self.root = self.layout.root
+        self.seals = Seals(os.path.join(root, "seals"), live=self.contains_digest) if exact_files and seals else None
         self.metrics = metrics                        # the daemon's registry (counter_value)
         self._metrics = metrics.group(TierMetrics)
         self._fsync = fsync
         self._fill_workers = fill_workers
-        self._max_pending = max_pending_fill_bytes
         self._chunk_size = chunk_size
         self._health = health or DiskHealth()
         self._index = SegmentedLRU(int(capacity * 0.8))
@@ -83,24 +75,22 @@ class DiskTier:
                            evict=self._evict)
         self.reader = BlockReader(self._index, self.layout, self._health, metrics, chunk_size=chunk_size,
                                   drop=self._drop_bad)
-        self._pending_bytes = 0                   # data held by queued or running fills
-        self._inflight: dict[str, _FillJob] = {}
+        self._fills = FillBudget(max_pending_fill_bytes, fill_workers)    # the foreground fill queue
+        self._inflight: dict[str, FillJob] = {}
         self._unlinking: dict[str, trio.Event] = {}
         self._assembling: dict[str, bool] = {}    # whole-object files being written -> discarded meanwhile
-        # Reader fills are written by one thread while the queue is short, and by up to
-        # fill_workers as it grows (_scale_writers).
-        self._limiter = trio.CapacityLimiter(1)
+        self._limiter = self._fills.limiter       # reader fills' writers: 1 to fill_workers (fills.py)
         self._warm_limiter = trio.CapacityLimiter(max(warm_workers, fill_workers))   # warm writers
         self.watch = HealthWatch(self._health, metrics, self.root, self.layout.tmp, fsync=fsync,
                                  limiter=self._limiter)
         self.pins = PinSet(self.root / "pins")
-        self._fill_send, self._fill_recv = trio.open_memory_channel[_FillJob](math.inf)
+        self._fill_send, self._fill_recv = trio.open_memory_channel[FillJob](math.inf)
         self._nursery: trio.Nursery | None = None
-        # O_DIRECT writes (format.DirectWrites): no copy into the page cache for every cached byte.
+        # O_DIRECT writes (direct.py): no copy into the page cache for every cached byte.
         # The pool keeps a buffer for every writer the two limiters admit at once (reader fills
         # beside warm writers); a writer without one maps and faults in a fresh buffer per block.
         writers = fill_workers + self._warm_limiter.total_tokens
-        self.direct = fmt.DirectWrites(keep=int(writers)) if direct_io else None
+        self.direct = DirectWrites(keep=int(writers)) if direct_io else None
         # a seam for tests: a blocking call that can fail
         self._write_file = functools.partial(fmt.write_block_file, direct=self.direct)
         self._metrics.tier_capacity_bytes.labels(_TIER).set(capacity)
@@ -242,7 +232,7 @@ class DiskTier:
         if self._already_there(digest):
             return True
         reason = self._refusal(len(data))
-        if reason is None and self._pending_bytes + len(data) > self._max_pending:
+        if reason is None and self._fills.full(len(data)):
             reason = "queue_full"
         if reason is not None:
             self._metrics.dropped_fills.labels(_TIER, reason).inc()
@@ -304,46 +294,35 @@ class DiskTier:
             return "no_space"
         return None
 
-    def _register(self, digest: str, data: bytes, low: bool = False, exact: bool = False) -> _FillJob:
-        job = self._inflight[digest] = _FillJob(digest, bytes(data), low=low, exact=exact)
+    def _register(self, digest: str, data: bytes, low: bool = False, exact: bool = False) -> FillJob:
+        job = self._inflight[digest] = FillJob(digest, bytes(data), low=low, exact=exact)
         if not low:
-            self._pending_bytes += len(job.data)
-            self._scale_writers()
+            self._fills.add(len(job.data))
         return job
 
-    def _scale_writers(self) -> None:
-        """One writer thread, plus one for every WRITER_SCALE bytes of queued and running fills, up
-        to fill_workers. Writers beside each other contend for the GIL and the CPUs with the trio
-        thread: in a cold epoch of small files (fills of 110 KiB that rarely queue), one writer
-        against four gave 1.02-1.08x boto3 against 0.94-1.00x, at 1.4-1.5 ms of daemon CPU per file
-        against 1.8; a cold 1 GiB file read at 400 MB/s needs more than one writer (one dropped
-        30% of its fills, queue_full)."""
-        want = max(1, min(self._fill_workers, 1 + self._pending_bytes // WRITER_SCALE))
-        if self._limiter.total_tokens != want:
-            self._limiter.total_tokens = want
-
-    async def _fill_worker(self, recv: trio.MemoryReceiveChannel[_FillJob]) -> None:
+    async def _fill_worker(self, recv: trio.MemoryReceiveChannel[FillJob]) -> None:
         async with recv:
             async for job in recv:
                 await self._store(job)
 
-    async def _store(self, job: _FillJob) -> None:
+    async def _store(self, job: FillJob) -> None:
         try:
             job.ok = await self._write(job)
         finally:
             del self._inflight[job.digest]
             if not job.low:
-                self._pending_bytes -= len(job.data)
-                self._scale_writers()
+                self._fills.done(len(job.data))
             job.done.set()
 
-    async def _write(self, job: _FillJob) -> bool:
+    async def _write(self, job: FillJob) -> bool:
         unlinking = self._unlinking.get(job.digest)
         if unlinking is not None:
             await unlinking.wait()
         if job.cancelled:
             return False
-        write = functools.partial(self._write_file, exact=True) if job.exact and self.exact_files else self._write_file
+        stamp: list[os.stat_result] = []      # the exact file read back as written (seals.py)
+        write = (functools.partial(self._write_file, exact=True, sealed=self._sealing(stamp))
+                 if job.exact and self.exact_files else self._write_file)
         room = await self._write_new(
             job.digest, len(job.data), lambda doomed, tmp, final: write(
                 doomed, tmp, final, job.data, self._chunk_size, self._fsync),
@@ -354,6 +333,7 @@ class DiskTier:
             self._schedule_unlink(job.digest, room.size)
             return False
         self._index.add(job.digest, Entry(room.size, len(job.data)))
+        self._seal(job.digest, stamp)
         self._update_gauges()
         return True
 
@@ -430,6 +410,15 @@ class DiskTier:
         self._metrics.whole_files.labels("assembled" if ok else "failed").inc()
         return ok
 
+    def _sealing(self, stamp: list[os.stat_result]) -> fmt.Sealed | None:
+        """What a writer thread hands the ``fstat`` of an exact file it read back right to (the
+        trio thread seals it, ``_seal``); None when nothing is sealed."""
+        return stamp.append if self.seals is not None else None
+
+    def _seal(self, digest: str, stamp: list[os.stat_result]) -> None:
+        if stamp and self.seals is not None:
+            self.seals.seal(digest, stamp[0])
+
     def no_exact_files(self) -> None:
         """The kernel takes no cache files (no FUSE passthrough): write no more exact files."""
         self.exact_files = False
@@ -440,11 +429,13 @@ class DiskTier:
             await unlinking.wait()
         blocks = [(self.layout.block_file(d), min(block_size, data_len - i * block_size))
                   for i, d in enumerate(sources)]
+        stamp: list[os.stat_result] = []
         room = await self._write_new(digest, data_len, lambda doomed, tmp, final: fmt.write_whole_file(
-            doomed, tmp, final, blocks, chunk, self._fsync, self.direct), self._warm_limiter)
+            doomed, tmp, final, blocks, chunk, self._fsync, self.direct, self._sealing(stamp)), self._warm_limiter)
         if room is None:
             return False
         self._index.add(digest, Entry(room.size, data_len))
+        self._seal(digest, stamp)
         self._update_gauges()
         return True
 
@@ -588,7 +579,7 @@ class DiskTier:
             "blocks": len(self._index),
             "protected_bytes": self._index.protected_bytes,
             "held_bytes": self._index.held_bytes,
-            "pending_fill_bytes": self._pending_bytes,
+            "pending_fill_bytes": self._fills.bytes,
             "whole_files_writing": len(self._assembling),
             "health": self._health.name,
             "writes": "buffered" if self.direct is None else self.direct.mode(),

@@ -1,13 +1,15 @@
-"""Seals: which exact cache files were verified in this boot, and are the same files since.
+"""Seals: which exact cache files were checked in this boot, and are the same files since.
 
 A file handed to the kernel (FUSE passthrough) is read by the kernel, not by us, so it is
-verified against its header before its first hand-over (handover.py). Without more, a new daemon
-(a restart, an upgrade, a remount on the same node) would read and check every file again before
-handing it over: on a dataset of small files that read is most of what a disk-tier epoch costs.
+verified against its header before its first hand-over (tiers/handover.py). Without more, every
+first open of a file in a daemon's life (the first epoch after a warmup, every epoch after a
+restart, an upgrade or a remount) would read and check the file first: on a dataset of small
+files that read is most of what a disk-tier epoch costs.
 
-A *seal* records, for a file once verified, its inode number, its ctime in nanoseconds and its
-size. A new daemon hands a file over without reading it when its seal matches what ``fstat``
-says now, and only in the boot the seal was made in:
+A *seal* records, for an exact file read back and checked as the disk tier wrote it, or verified
+before a hand-over, its inode number, its ctime in nanoseconds and its size. A daemon hands a
+file over without reading it when its seal matches what ``fstat`` says now, and only in the boot
+the seal was made in:
 
 - anything that writes to the file through the kernel (a write, a truncate, an mmap store, a
   copy or restore into place, a chmod or an xattr change) gives it a new ctime, which userspace
@@ -18,8 +20,9 @@ says now, and only in the boot the seal was made in:
   checksum each) ends the reading, and a missing record only means a read we would do anyway.
 
 What a seal cannot see (a write to the raw block device, media corruption under the
-filesystem) is what the scrub is for: a sealed file handed over is queued for the rate-limited
-scrub at once, so a restarted daemon re-verifies its files in the background.
+filesystem) is what the scrub is for: a file an earlier daemon sealed is queued for the
+rate-limited scrub at its first hand-over, so a restarted daemon re-verifies its files in the
+background.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Seals:
         self.boot = boot_id() if boot is None else boot
         self._live = live           # digest -> whether the tier still holds it (kept on a rewrite)
         self._seals: dict[str, tuple[int, int, int]] = {}
+        self._inherited: set[str] = set()     # sealed by an earlier daemon (read from the file)
         self._fd = -1
         self._written = 0           # records in the file
         self._rewrite_at = 4096     # ... when a rewrite keeps only the live seals
@@ -71,8 +75,13 @@ class Seals:
         """Whether ``digest``'s file, as ``st`` describes it, is the one sealed in this boot."""
         return self._seals.get(digest) == _stamp(st)
 
+    def inherited(self, digest: str) -> bool:
+        """Whether ``digest``'s seal was made by an earlier daemon (not checked in this one)."""
+        return digest in self._inherited
+
     def seal(self, digest: str, st: os.stat_result) -> None:
-        """``digest``'s file, as ``st`` describes it, was just verified."""
+        """``digest``'s file, as ``st`` describes it, was just verified (or read back as written)."""
+        self._inherited.discard(digest)
         if self._fd < 0 or self._seals.get(digest) == _stamp(st):
             return
         self._seals[digest] = _stamp(st)
@@ -88,6 +97,7 @@ class Seals:
         """``digest``'s file failed a check or was dropped (its record stays until a rewrite: a new
         file of that name has another inode or ctime)."""
         self._seals.pop(digest, None)
+        self._inherited.discard(digest)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -129,12 +139,14 @@ class Seals:
                 log.warning("%s: a damaged record at byte %d; the seals after it are dropped", self.path, at)
                 break
             self._seals[raw.hex()] = (ino, ctime_ns, size)
+            self._inherited.add(raw.hex())
 
     def _rewrite(self, prune: bool = False) -> None:
         """The seals into a new file, renamed over the old one (``prune``: only those of files the
         tier still holds); appends go to the new one."""
         if prune and self._live is not None:
             self._seals = {d: s for d, s in self._seals.items() if self._live(d)}
+            self._inherited &= self._seals.keys()
         tmp = self.path + ".tmp"
         records = b"".join(self._record(d, *s) for d, s in self._seals.items())
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

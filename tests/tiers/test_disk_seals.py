@@ -1,4 +1,4 @@
-"""Seals of verified cache files (tiers/seals.py): kept across daemons of one boot, void in
+"""Seals of verified cache files (tiers/disk/seals.py): kept across daemons of one boot, void in
 another boot or once the file changed (inode, ctime, size), a damaged record ends the reading,
 and a daemon that cannot keep them works on, verifying as before."""
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cachefs.tiers.seals import Seals
+from cachefs.tiers.disk.seals import Seals
 
 BOOT = b"0f0e0d0c-0000-4000-8000-000000000001"
 OTHER = b"0f0e0d0c-0000-4000-8000-000000000002"
