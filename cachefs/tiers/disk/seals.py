@@ -49,8 +49,11 @@ def boot_id() -> bytes:
         return b""
 
 
-def _stamp(st: os.stat_result) -> tuple[int, int, int]:
-    return st.st_ino, st.st_ctime_ns, st.st_size
+_STAMP = struct.Struct("<QqQ")          # st_ino, st_ctime_ns, st_size: one bytes object per seal in memory
+
+
+def _stamp(st: os.stat_result) -> bytes:
+    return _STAMP.pack(st.st_ino, st.st_ctime_ns, st.st_size)
 
 
 class Seals:
@@ -60,8 +63,8 @@ class Seals:
         self.path = path
         self.boot = boot_id() if boot is None else boot
         self._live = live           # digest -> whether the tier still holds it (kept on a rewrite)
-        self._seals: dict[str, tuple[int, int, int]] = {}
-        self._inherited: set[str] = set()     # sealed by an earlier daemon (read from the file)
+        # digest -> stamp, and the earlier daemons' (read from the file) with one byte more
+        self._seals: dict[str, bytes] = {}
         self._fd = -1
         self._written = 0           # records in the file
         self._rewrite_at = 4096     # ... when a rewrite keeps only the live seals
@@ -73,20 +76,25 @@ class Seals:
 
     def matches(self, digest: str, st: os.stat_result) -> bool:
         """Whether ``digest``'s file, as ``st`` describes it, is the one sealed in this boot."""
-        return self._seals.get(digest) == _stamp(st)
+        sealed = self._seals.get(digest)
+        return sealed is not None and sealed[:_STAMP.size] == _stamp(st)
 
     def inherited(self, digest: str) -> bool:
         """Whether ``digest``'s seal was made by an earlier daemon (not checked in this one)."""
-        return digest in self._inherited
+        sealed = self._seals.get(digest)
+        return sealed is not None and len(sealed) > _STAMP.size
 
     def seal(self, digest: str, st: os.stat_result) -> None:
         """``digest``'s file, as ``st`` describes it, was just verified (or read back as written)."""
-        self._inherited.discard(digest)
-        if self._fd < 0 or self._seals.get(digest) == _stamp(st):
+        if self._fd < 0:
             return
-        self._seals[digest] = _stamp(st)
+        stamp = _stamp(st)
+        if self._seals.get(digest, b"")[:_STAMP.size] == stamp:
+            self._seals[digest] = stamp             # this daemon's own check now
+            return
+        self._seals[digest] = stamp
         try:
-            os.write(self._fd, self._record(digest, *_stamp(st)))
+            os.write(self._fd, self._record(digest, stamp))
             self._written += 1
             if self._written >= self._rewrite_at:
                 self._rewrite(prune=True)
@@ -97,7 +105,6 @@ class Seals:
         """``digest``'s file failed a check or was dropped (its record stays until a rewrite: a new
         file of that name has another inode or ctime)."""
         self._seals.pop(digest, None)
-        self._inherited.discard(digest)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -107,8 +114,8 @@ class Seals:
     # -- the file --
 
     @staticmethod
-    def _record(digest: str, ino: int, ctime_ns: int, size: int) -> bytes:
-        body = _RECORD.pack(bytes.fromhex(digest), ino, ctime_ns, size, 0)[:_BODY]
+    def _record(digest: str, stamp: bytes) -> bytes:
+        body = bytes.fromhex(digest) + stamp[:_STAMP.size]
         return body + struct.pack("<I", zlib.crc32(body))
 
     def _open(self) -> None:
@@ -138,17 +145,15 @@ class Seals:
             if zlib.crc32(view[at:at + _BODY]) != crc:
                 log.warning("%s: a damaged record at byte %d; the seals after it are dropped", self.path, at)
                 break
-            self._seals[raw.hex()] = (ino, ctime_ns, size)
-            self._inherited.add(raw.hex())
+            self._seals[raw.hex()] = _STAMP.pack(ino, ctime_ns, size) + b"i"
 
     def _rewrite(self, prune: bool = False) -> None:
         """The seals into a new file, renamed over the old one (``prune``: only those of files the
         tier still holds); appends go to the new one."""
         if prune and self._live is not None:
             self._seals = {d: s for d, s in self._seals.items() if self._live(d)}
-            self._inherited &= self._seals.keys()
         tmp = self.path + ".tmp"
-        records = b"".join(self._record(d, *s) for d, s in self._seals.items())
+        records = b"".join(self._record(d, s) for d, s in self._seals.items())
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, MAGIC + self.boot + b"\n" + records)
