@@ -2,6 +2,7 @@
 first hand-over, held while handed over, and re-verified by a paced background scrub that goes
 round every handed-over file (small exact files and whole-object files) and drops a corrupt one."""
 
+import errno
 import os
 import random
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 import trio
 
-from cachefs.errors import NeedsWait
+from cachefs.errors import CorruptBlock, NeedsWait
 from cachefs.metrics import Metrics
 from cachefs.tiers import handover as handover_module
 from cachefs.tiers.disk import DiskTier
@@ -196,3 +197,39 @@ def test_an_exact_file_that_does_not_read_back_as_written_is_dropped_not_sealed(
             assert disk.contains(key("good")) and len(disk.seals) == 1
             nursery.cancel_scope.cancel()
     trio.run(main)
+
+
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_the_read_back_checks_around_the_page_cache_or_buffered_where_o_direct_is_refused(
+        tmp_path, monkeypatch, direct_reads):
+    """Written with O_DIRECT, an exact file is read back with O_DIRECT too; a file system that
+    refuses O_DIRECT reads (EINVAL) gets the buffered check: either way a right file is sealed
+    and a damaged one is unlinked, its error raised."""
+    from cachefs.tiers.disk.direct import DirectWrites
+    real_open, seen = os.open, []
+
+    def opening(path, flags, *args):
+        if flags & os.O_DIRECT and not flags & os.O_WRONLY:
+            seen.append(path)
+            if not direct_reads:
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(os, "open", opening)
+    direct = DirectWrites()
+    data = random.Random(7).randbytes(300_000)            # three chunks and a tail
+    sealed = []
+    for name in ("good", "bad"):
+        final = tmp_path / name
+        fmt.write_block_file([], tmp_path / f"{name}.tmp", final, data, 128 << 10, False, direct, exact=True)
+        if name == "bad":
+            with open(final, "r+b") as fh:
+                fh.seek(200_000)
+                fh.write(b"\0")
+        try:
+            fmt.check_written(final, sealed.append, direct)
+        except CorruptBlock:
+            assert name == "bad" and not final.exists()
+        else:
+            assert name == "good" and final.read_bytes() == data
+    assert len(sealed) == 1 and sealed[0].st_size == len(data)
+    assert len(seen) == 2                                   # both read back O_DIRECT first
