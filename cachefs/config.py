@@ -146,6 +146,11 @@ class MountConfig:
                 "written whole) where the kernel offers it, the mount is --immutable or --read-only (each "
                 "version of a changing object then has its own inode) and not packed, and the daemon may "
                 "(CAP_SYS_ADMIN); off: every read goes through the daemon"})
+    fuse_no_open: bool = field(default=False, metadata={
+        "help": "the kernel opens files without asking the daemon (FUSE zero-message opens; --immutable "
+                "mounts of the own FUSE layer): a file in the page cache is read with no request at all "
+                "(hot epochs at the page cache's speed, no daemon CPU), but a read the page cache misses "
+                "goes through the daemon (no passthrough). For datasets that fit in RAM"})
     passthrough_seals: bool = field(default=True, metadata={
         "help": "a cache file for passthrough is read back and checked as it is written, and sealed (its "
                 "inode, ctime and size, in this boot): this daemon and later ones (a restart, an upgrade, a "
@@ -247,9 +252,12 @@ class MountConfig:
         """None when this mount asks the kernel for passthrough, else why not (a fallback reason):
         the mount must not be written through (--immutable or --read-only: a read-only mount of a
         bucket whose objects change gives each version its own inode), and a packed dataset's
-        files are ranges of shards, not files of their own."""
+        files are ranges of shards, not files of their own; with --fuse-no-open no OPEN comes to
+        hand a file over at."""
         if self.passthrough == "off" or self.fuse_backend != "cachefs":
             return "off"
+        if self.fuse_no_open:
+            return "no_open"
         if not (self.immutable or self.read_only) or packed:
             return "mutable"
         return None
@@ -324,6 +332,8 @@ def _validate(cfg: MountConfig) -> None:
     need(cfg.fsync in ("local", "remote"), "fsync must be local or remote")
     need(cfg.fuse_backend in ("cachefs", "pyfuse3"), "fuse_backend must be cachefs or pyfuse3")
     need(cfg.passthrough in ("auto", "off"), "passthrough must be auto or off")
+    need(not cfg.fuse_no_open or (cfg.immutable and cfg.fuse_backend == "cachefs"),
+         "--fuse-no-open needs --immutable (no open revalidates a file) and --fuse-backend cachefs")
     need(0 <= cfg.fuse_loops <= 64, "fuse_loops must be in 0..64")
     need(5 << 20 <= cfg.upload_part_size <= 5 << 30, "upload_part_size must be between 5M and 5G")
     need(cfg.staging_size > 0 and cfg.staging_wait >= 0, "staging_size must be positive, staging_wait >= 0")

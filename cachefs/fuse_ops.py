@@ -16,6 +16,7 @@ import os
 import stat
 import struct
 import time
+from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -145,6 +146,8 @@ class Operations:
         self.uid, self.gid = uid, gid
         self.file_mode, self.dir_mode = file_mode, dir_mode
         self.timeout = _IMMUTABLE_TIMEOUT if immutable else metadata_ttl
+        self._implicit: dict[int, int] = {}          # inode -> the read handle of files opened with no OPEN
+        self._implicit_control: OrderedDict[int, int] = OrderedDict()     # caller's thread -> control session
         self._timing = _TimingCache(self.metrics)
 
     def _failed(self, name: str, code: int) -> None:
@@ -310,12 +313,45 @@ class Operations:
 
     def forget(self, inode_list):
         """FORGET and BATCH_FORGET (no answer): drop the kernel's references, and the idle backing
-        file of an inode the kernel no longer knows."""
+        file (or the read handle, ``implicit_fh``) of an inode the kernel no longer knows."""
         self._timing["forget"].observe(0.0)
         for inode, count in inode_list:
             self.vfs.forget(inode, count)
+            if inode in self._implicit:
+                node = self.vfs.find_node(inode)
+                if node is None or node.lookups <= 0:
+                    self.vfs.release_now(self._implicit.pop(inode))
             if inode in self.backings.by_inode and self.vfs.find_node(inode) is None:
                 self.backings.forget(inode)
+
+    # ---- files the kernel opens with no OPEN (zero-message opens: --fuse-no-open) ---------------
+    def implicit_fh(self, inode: int, ctx, ioctl_cmd: int | None = None) -> int:
+        """The handle of a request whose file the kernel opened without asking (its fh is 0): one
+        read handle per inode (an --immutable mount: the version never changes), kept until the
+        kernel forgets the inode; for the control file, one session per calling thread, a new one
+        when a request begins after the last was answered (``ioctl_cmd``), at most 64 kept."""
+        if inode == CONTROL_INODE:
+            fh = self._implicit_control.get(ctx.pid)
+            if fh is not None and self.control.owns(fh) and not (
+                    ioctl_cmd == IOCTL_SEND and self.control.answering(fh)):
+                return fh
+            if fh is not None and self.control.owns(fh):
+                self.control.release(fh)
+            fh = self._implicit_control[ctx.pid] = self.control.open(ctx)
+            self._implicit_control.move_to_end(ctx.pid)
+            while len(self._implicit_control) > 64:
+                self.control.release(self._implicit_control.popitem(last=False)[1])
+            return fh
+        fh = self._implicit.get(inode)
+        if fh is None:
+            try:
+                handle, _ = self.vfs.open_now(inode, os.O_RDONLY, handed_over=True)   # nothing pushed at open
+            except FsError as exc:                   # a node id the kernel should not have
+                raise FuseError(exc.errno) from None
+            except NeedsWait:                        # not on an --immutable mount: never
+                raise FuseError(errno.EIO) from None
+            fh = self._implicit[inode] = handle.fh
+        return fh
 
     @_operation("statfs")
     async def statfs(self, ctx):

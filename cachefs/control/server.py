@@ -72,6 +72,10 @@ class Control:
         self._sessions[fh] = _Session(Caller.of(ctx))
         return fh
 
+    def answering(self, fh: int) -> bool:
+        """Whether the session's request was read and its replies begun."""
+        return self._sessions[fh].replies is not None
+
     def write(self, fh: int, data: bytes) -> int:
         session = self._sessions[fh]
         if session.replies is not None:

@@ -104,9 +104,13 @@ class Opcodes:
             want |= abi.DO_READDIRPLUS | abi.READDIRPLUS_AUTO
         if self.options.passthrough:
             want |= abi.PASSTHROUGH
+        if self.options.no_open:
+            want |= abi.NO_OPEN_SUPPORT
         agreed = flags & want
         n = self.negotiated
         n.minor, n.flags, n.kernel_flags, n.max_readahead = min(minor, abi.KERNEL_MINOR), agreed, flags, max_readahead
+        if self.options.no_open and not agreed & abi.NO_OPEN_SUPPORT:
+            log.info("the kernel (FUSE 7.%d) does not offer zero-message opens: every open asks the daemon", minor)
         if self.options.passthrough and not agreed & abi.PASSTHROUGH:
             log.info("the kernel (FUSE 7.%d) does not offer passthrough: every read goes through the daemon", minor)
         out = abi.INIT_OUT.pack(abi.KERNEL_MAJOR, n.minor, max_readahead, agreed & 0xFFFFFFFF,
@@ -155,6 +159,9 @@ class Opcodes:
         self._later(req, lambda: self.ops.setattr(req.nodeid, attr, fields, handle, req.ctx()), attr_out)
 
     def _open(self, req: Request) -> None:
+        if self.negotiated.has(abi.NO_OPEN_SUPPORT):
+            self.reply_error(req, errno.ENOSYS)     # the kernel opens every file itself from now on
+            return
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
         ops = self.ops
         now = getattr(ops, "now_open", None)
@@ -163,6 +170,8 @@ class Opcodes:
 
     def _read(self, req: Request) -> None:
         fh, offset, size, *_ = abi.READ_IN.unpack_from(req.body)
+        if fh == 0:                      # opened with no OPEN (zero-message opens)
+            fh = self.ops.implicit_fh(req.nodeid, req.ctx())
         ops = self.ops
         now = getattr(ops, "now_read", None)
         self._answer(req, now and (lambda: now(fh, offset, size)), lambda: ops.read(fh, offset, size), _data)
@@ -259,6 +268,8 @@ class Opcodes:
     def _ioctl(self, req: Request) -> None:
         fh, _flags, cmd, _arg, in_size, out_size = abi.IOCTL_IN.unpack_from(req.body)
         data = bytes(req.body[abi.IOCTL_IN.size:abi.IOCTL_IN.size + in_size])
+        if fh == 0 and hasattr(self.ops, "implicit_fh"):      # opened with no OPEN
+            fh = self.ops.implicit_fh(req.nodeid, req.ctx(), cmd)
         ioctl, now = getattr(self.ops, "ioctl", None), getattr(self.ops, "now_ioctl", None)
         if ioctl is None:
             raise FuseError(errno.ENOTTY)

@@ -58,6 +58,7 @@ class SessionOptions:
     readdirplus: bool = True
     loops: int = 0                      # extra request loops: threads reading cloned descriptors
     inflight: str | None = None         # the in-flight log's path (a mount under a keeper)
+    no_open: bool = False               # ask for zero-message opens (FUSE_NO_OPEN_SUPPORT), answer OPEN ENOSYS
 
     @classmethod
     def from_config(cls, cfg, *, passthrough: bool, kept: bool) -> "SessionOptions":
@@ -65,7 +66,8 @@ class SessionOptions:
         requests; the in-flight log in the cache dir where a keeper keeps the mount (``kept``)."""
         return cls(max_background=cfg.fuse_max_background,
                    congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4), passthrough=passthrough,
-                   loops=cfg.fuse_loops, inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if kept else None)
+                   loops=cfg.fuse_loops, inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if kept else None,
+                   no_open=cfg.fuse_no_open)
 
 
 @dataclass(slots=True)

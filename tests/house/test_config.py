@@ -163,6 +163,9 @@ def test_wrong_types_in_toml(tmp_path, toml, words):
     (["--log-level", "loud"], ["log_level"]),
     (["--metrics-port", "70000"], ["metrics_port"]),
     (["--dir-mode", "17777"], ["modes"]),
+    (["--fuse-no-open"], ["--fuse-no-open", "--immutable"]),
+    (["--fuse-no-open", "--read-only"], ["--fuse-no-open", "--immutable"]),
+    (["--fuse-no-open", "--immutable", "--fuse-backend", "pyfuse3"], ["--fuse-no-open", "cachefs"]),
 ])
 def test_bad_flag_values(tmp_path, flags, words):
     message = config_error(tmp_path, None, *flags)
