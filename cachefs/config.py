@@ -265,7 +265,7 @@ class MountConfig:
 
 #: options a hand-over to a new daemon keeps (``cachefs restart``, mounting again): they are the FUSE
 #: connection, the home of the kernel's ids (the cache dir), or what the kernel has cached
-FIXED_OPTIONS = ("url", "mountpoint", "cache_dir", "allow_other", "read_only", "immutable", "fuse_backend",
+FIXED_OPTIONS = ("url", "mountpoint", "cache_dir", "allow_other", "read_only", "immutable", "fuse_backend", "fuse_no_open",
                  "uid", "gid", "file_mode", "dir_mode", "endpoint_url")
 
 
