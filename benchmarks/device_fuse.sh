@@ -33,7 +33,8 @@ python3 -m cachefs umount "$W/pre/mnt" >> "$OUT/preflight.log" 2>&1
 grep -h '"passthrough"\|"protocol"' "$OUT/preflight_status.json" | head -3
 timeout "${FUSE_LIMIT:-330}" python3 -m benchmarks.bench_fuse --files "${FILES:-10000}" --readers "${READERS:-16}" \
   --rounds "${ROUNDS:-2}" --fill read --keep --workdir "$W" --json "$OUT/fuse.json" \
-  --variants cachefs cachefs,--fuse-loops=0 cachefs,--fuse-loops=2 cachefs,--passthrough=off 2>&1 | tee "$OUT/fuse.log"
+  --variants cachefs cachefs,--fuse-loops=0 cachefs,--fuse-loops=2 cachefs,--passthrough=off cachefs,--fuse-no-open \
+  2>&1 | tee "$OUT/fuse.log"
 for log in "$W"/cache-*/cachefs.log; do echo "== $log"; grep -v ' INFO ' "$log" | tail -n 20; done > "$OUT/daemon_logs.txt" 2>&1
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   mkdir -p "$W/mnt-train"
