@@ -193,3 +193,53 @@ def test_every_minor_from_7_31_is_answered(minor):
         assert error == 0 and struct.unpack_from("<II", body) == (7, minor)
         assert session.passthrough == (minor >= 40)
     run(test)
+
+
+def test_zero_message_opens_are_asked_for_only_where_offered_and_reads_with_no_handle_get_one():
+    """--fuse-no-open: INIT asks for FUSE_NO_OPEN_SUPPORT; once agreed, OPEN is ENOSYS (the kernel
+    opens files itself from then on) and a READ with fh 0 is served on the handle the daemon
+    keeps for its inode. A kernel that does not offer it gets OPENs answered as always."""
+    class NoOpenOps(Ops):
+        def __init__(self) -> None:
+            super().__init__()
+            self.implicit: list[int] = []
+
+        def implicit_fh(self, inode, ctx, ioctl_cmd=None):
+            self.implicit.append(inode)
+            return 7
+
+    def run_with(test):
+        kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        kernel.setblocking(False)
+        ops = NoOpenOps()
+        session = Session(SessionOptions(no_open=True), fd=daemon.fileno())
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.serve, ops)
+                await test(Wire(kernel), ops)
+                nursery.cancel_scope.cancel()
+        try:
+            trio.run(main)
+        finally:
+            kernel.close()
+            daemon.close()
+
+    async def offered(wire, ops):
+        wire.send(init(flags=abi.ASYNC_READ | abi.NO_OPEN_SUPPORT | abi.INIT_EXT))
+        flags = abi.INIT_OUT.unpack((await wire.answer())[2])[3]
+        assert flags & abi.NO_OPEN_SUPPORT
+        wire.send(request(abi.OPEN, 20, nodeid=2, body=abi.OPEN_IN.pack(os.O_RDONLY, 0)))
+        assert await wire.answer() == (20, -errno.ENOSYS, b"")
+        wire.send(request(abi.READ, 21, nodeid=2, body=abi.READ_IN.pack(0, 1, 3, 0, 0, 0, 0)))
+        assert await wire.answer() == (21, 0, b"ell") and ops.implicit == [2]
+    run_with(offered)
+
+    async def not_offered(wire, ops):
+        wire.send(init(flags=abi.ASYNC_READ | abi.INIT_EXT))
+        flags = abi.INIT_OUT.unpack((await wire.answer())[2])[3]
+        assert not flags & abi.NO_OPEN_SUPPORT
+        wire.send(request(abi.OPEN, 22, nodeid=2, body=abi.OPEN_IN.pack(os.O_RDONLY, 0)))
+        unique, error, body = await wire.answer()
+        assert (unique, error) == (22, 0) and abi.OPEN_OUT.unpack(body)[0] == 7
+    run_with(not_offered)
