@@ -8,9 +8,10 @@ no READ request to the daemon, once the daemon hands it over at OPEN. The promis
 - a file is verified, every chunk against its header, before its first hand-over in this boot,
   by the disk tier's own verified read (``read_async``: inline when its pages are resident, read
   ahead then inline on a fast disk, in a worker thread on a slow one); a corrupt one is dropped,
-  counted, and the open falls back to the normal path (which fetches it again). A verified file
-  is *sealed* (seals.py: its inode, ctime and size in this boot): a later daemon hands it over
-  unread while the seal matches, and queues it for the scrub;
+  counted, and the open falls back to the normal path (which fetches it again). The disk tier
+  reads each exact file back as it writes it and *seals* it (disk/seals.py: its inode, ctime and
+  size in this boot), and a file verified here is sealed too: this daemon and later ones hand a
+  sealed file over unread while the seal matches (a later one queues it for the scrub);
 - a background scrub (``scrub``) re-verifies handed-over files at a bounded rate;
 - a handed-over block is held: eviction skips it until the kernel's last user releases it, so
   the capacity rule counts what the kernel still reads.
@@ -70,12 +71,12 @@ class HandOver:
             got = self._open(key, size)
             if got is None:
                 return None
-            if not self._sealed(digest, got[0]):
+            if not self._sealed(digest, got[2]):
                 os.close(got[0])
                 raise NeedsWait
-            return self._hold(*got, key, size)
+            return self._hold(got[0], key, size)
         got = self._open(key, size)
-        return self._hold(*got, key, size) if got is not None else None
+        return self._hold(got[0], key, size) if got is not None else None
 
     async def get(self, key: BlockKey, size: int) -> ExactFile | None:
         """``now``, verifying the file first when needed: the disk tier's verified read of all of it
@@ -88,8 +89,8 @@ class HandOver:
             got = self._open(key, size)
             if got is None:
                 return None
-            if self._sealed(digest, got[0]):
-                return self._hold(*got, key, size)
+            if self._sealed(digest, got[2]):
+                return self._hold(got[0], key, size)
             os.close(got[0])
             if key.index != WHOLE:
                 data = await self.disk.read_async(key, 0, size)
@@ -104,18 +105,18 @@ class HandOver:
         if digest not in self._verified:
             # a whole-object file: checked chunk by chunk through the descriptor handed over (a
             # large one is never read into memory at once)
-            if not await self._checked(digest, *got):
+            if not await self._checked(digest, got[0], got[1]):
                 os.close(got[0])
                 return None
             self._verified[digest] = time.monotonic()
         if checked_here and self.seals is not None:
-            self.seals.seal(digest, os.fstat(got[0]))
-        return self._hold(*got, key, size)
+            self.seals.seal(digest, got[2])
+        return self._hold(got[0], key, size)
 
-    def _sealed(self, digest: str, fd: int) -> bool:
-        """Whether the open file ``fd`` is the one verified and sealed in this boot (seals.py): then
-        it counts as verified, and is queued for the scrub."""
-        if self.seals is None or not self.seals.matches(digest, os.fstat(fd)):
+    def _sealed(self, digest: str, st: os.stat_result) -> bool:
+        """Whether the open file ``st`` describes is the one checked and sealed in this boot
+        (disk/seals.py): then it counts as verified, and is queued for the scrub."""
+        if self.seals is None or not self.seals.matches(digest, st):
             return False
         # checked as it was written by this daemon: scrubbed in its turn; else at once
         self._verified[digest] = time.monotonic() - (SCRUB_AGE if self.seals.inherited(digest) else 0)
@@ -178,7 +179,7 @@ class HandOver:
 
     # -- plumbing --
 
-    def _open(self, key: BlockKey, size: int) -> tuple[int, fmt.BlockHeader] | None:
+    def _open(self, key: BlockKey, size: int) -> tuple[int, fmt.BlockHeader, os.stat_result] | None:
         if not self.enabled:
             return None
         got = self.disk.exact_file(key)
@@ -196,17 +197,16 @@ class HandOver:
             raise CorruptBlock(f"file has {size} bytes, header says {header.data_len}")
         if rate is None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        step = max(header.chunk_size, fmt.VERIFY_STEP // header.chunk_size * header.chunk_size)
-        buf = bytearray(min(step, size))
-        for first in range(0, size, step):
-            if size - first < len(buf):
-                buf = bytearray(size - first)
+        buf = bytearray(min(fmt.verify_step(header), size))
+        for first, length in fmt.verify_steps(header):
+            if length < len(buf):
+                buf = bytearray(length)
             await in_thread(fmt.verify_range, fd, header, first, buf, limiter=self._limiter)
             if rate:
                 await trio.sleep(len(buf) / rate)
         self.metrics.scrub_files.labels("ok").inc()
 
-    def _hold(self, fd: int, header: fmt.BlockHeader, key: BlockKey, size: int) -> ExactFile:
+    def _hold(self, fd: int, key: BlockKey, size: int) -> ExactFile:
         digest = key.digest()
         if digest not in self._held:
             self.disk.hold([digest])

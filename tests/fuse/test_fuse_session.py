@@ -77,10 +77,10 @@ class Wire:
         return True
 
 
-def run(test, options: SessionOptions | None = None) -> None:
+def run(test, options: SessionOptions | None = None, ops: Ops | None = None) -> None:
     kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     kernel.setblocking(False)
-    ops = Ops()
+    ops = ops or Ops()
     session = Session(options or SessionOptions(passthrough=True), fd=daemon.fileno())
 
     async def main():
@@ -208,24 +208,7 @@ def test_zero_message_opens_are_asked_for_only_where_offered_and_reads_with_no_h
             self.implicit.append(inode)
             return 7
 
-    def run_with(test):
-        kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        kernel.setblocking(False)
-        ops = NoOpenOps()
-        session = Session(SessionOptions(no_open=True), fd=daemon.fileno())
-
-        async def main():
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(session.serve, ops)
-                await test(Wire(kernel), ops)
-                nursery.cancel_scope.cancel()
-        try:
-            trio.run(main)
-        finally:
-            kernel.close()
-            daemon.close()
-
-    async def offered(wire, ops):
+    async def offered(wire, session, ops):
         wire.send(init(flags=abi.ASYNC_READ | abi.NO_OPEN_SUPPORT | abi.INIT_EXT))
         flags = abi.INIT_OUT.unpack((await wire.answer())[2])[3]
         assert flags & abi.NO_OPEN_SUPPORT
@@ -233,13 +216,13 @@ def test_zero_message_opens_are_asked_for_only_where_offered_and_reads_with_no_h
         assert await wire.answer() == (20, -errno.ENOSYS, b"")
         wire.send(request(abi.READ, 21, nodeid=2, body=abi.READ_IN.pack(0, 1, 3, 0, 0, 0, 0)))
         assert await wire.answer() == (21, 0, b"ell") and ops.implicit == [2]
-    run_with(offered)
+    run(offered, SessionOptions(no_open=True), NoOpenOps())
 
-    async def not_offered(wire, ops):
+    async def not_offered(wire, session, ops):
         wire.send(init(flags=abi.ASYNC_READ | abi.INIT_EXT))
         flags = abi.INIT_OUT.unpack((await wire.answer())[2])[3]
         assert not flags & abi.NO_OPEN_SUPPORT
         wire.send(request(abi.OPEN, 22, nodeid=2, body=abi.OPEN_IN.pack(os.O_RDONLY, 0)))
         unique, error, body = await wire.answer()
         assert (unique, error) == (22, 0) and abi.OPEN_OUT.unpack(body)[0] == 7
-    run_with(not_offered)
+    run(not_offered, SessionOptions(no_open=True), NoOpenOps())

@@ -11,7 +11,7 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,6 +315,18 @@ def verify_range(fd: int, header: BlockHeader, first: int, buf: bytearray) -> No
 VERIFY_STEP = 8 << 20       # bytes checked per read
 
 
+def verify_step(header: BlockHeader) -> int:
+    """Bytes checked per read of an exact file: whole chunks, about ``VERIFY_STEP``."""
+    return max(header.chunk_size, VERIFY_STEP // header.chunk_size * header.chunk_size)
+
+
+def verify_steps(header: BlockHeader) -> Iterator[tuple[int, int]]:
+    """(offset, length) of each read that checks an exact file whole, in order."""
+    step = verify_step(header)
+    for first in range(0, header.data_len, step):
+        yield first, min(step, header.data_len - first)
+
+
 def check_written(final: Path, sealed: Sealed, direct: DirectWrites | None) -> None:
     """Read the exact file just published as ``final`` back, every chunk checked against its
     header, and hand its ``fstat`` to ``sealed`` (a file read back right is as good as one
@@ -330,12 +342,11 @@ def check_written(final: Path, sealed: Sealed, direct: DirectWrites | None) -> N
             if header is None or st.st_size != header.data_len:
                 raise CorruptBlock(f"written {st.st_size} bytes, header says "
                                    f"{header.data_len if header else 'nothing'}")
-            step = max(header.chunk_size, VERIFY_STEP // header.chunk_size * header.chunk_size)
-            if direct is None or not _check_direct(final, header, step, direct):
-                buf = bytearray(min(step, st.st_size))
-                for first in range(0, st.st_size, step):
-                    if st.st_size - first < len(buf):
-                        buf = bytearray(st.st_size - first)
+            if direct is None or not _check_direct(final, header, direct):
+                buf = bytearray(min(verify_step(header), st.st_size))
+                for first, length in verify_steps(header):
+                    if length < len(buf):
+                        buf = bytearray(length)
                     verify_range(fd, header, first, buf)
         finally:
             os.close(fd)
@@ -346,7 +357,7 @@ def check_written(final: Path, sealed: Sealed, direct: DirectWrites | None) -> N
     sealed(st)
 
 
-def _check_direct(path: Path, header: BlockHeader, step: int, direct: DirectWrites) -> bool:
+def _check_direct(path: Path, header: BlockHeader, direct: DirectWrites) -> bool:
     """``check_written``'s reads with O_DIRECT; False where the file system refuses them."""
     size = header.data_len
     try:
@@ -355,11 +366,10 @@ def _check_direct(path: Path, header: BlockHeader, step: int, direct: DirectWrit
         if exc.errno == errno.EINVAL:
             return False
         raise
-    buf = direct.take(round_up(min(step, size), HEADER_ALIGN))
+    buf = direct.take(round_up(min(verify_step(header), size), HEADER_ALIGN))
     try:
         with memoryview(buf) as view:
-            for first in range(0, size, step):
-                want = min(step, size - first)
+            for first, want in verify_steps(header):
                 try:
                     got = os.preadv(fd, [view[:round_up(want, HEADER_ALIGN)]], first)
                 except OSError as exc:

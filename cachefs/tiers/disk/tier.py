@@ -182,16 +182,18 @@ class DiskTier:
     def contains_digest(self, digest: str) -> bool:
         return self._health.state != DiskHealth.DOWN and digest in self._index
 
-    def exact_file(self, key: BlockKey) -> tuple[int, fmt.BlockHeader] | None:
-        """A read-only descriptor and the header of the block's file if it is an exact file (the
-        object's bytes from offset 0, header in its attribute); None otherwise. Not verified."""
+    def exact_file(self, key: BlockKey) -> tuple[int, fmt.BlockHeader, os.stat_result] | None:
+        """A read-only descriptor, the header and the ``fstat`` of the block's file if it is an
+        exact file (the object's bytes from offset 0, header in its attribute); None otherwise.
+        Not verified."""
         fd = self.open_block_file(key)
         if fd is None:
             return None
         try:
             header = fmt.exact_header(fd)
-            if header is not None and os.fstat(fd).st_size == header.data_len:
-                return fd, header
+            st = os.fstat(fd)
+            if header is not None and st.st_size == header.data_len:
+                return fd, header, st
         except (OSError, CorruptBlock):
             pass
         os.close(fd)
