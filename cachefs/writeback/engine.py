@@ -39,7 +39,7 @@ from cachefs.singleflight import SingleFlight
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.writeback import status as _status
 from cachefs.writeback.fence import JournalGuard
-from cachefs.writeback.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record
+from cachefs.writeback.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Record, pwrite_all
 from cachefs.writeback.metrics import WritebackMetrics
 from cachefs.writeback.overlay import DirOverlay, overlay
 from cachefs.writeback.policy import CHECKPOINT, CLASSES, LOG, MAX_PARTS, SyncPolicy, WritebackOptions, part_size_for
@@ -51,8 +51,6 @@ from cachefs.writeback.staged import (
     UploadJob,
     Waiter,
     earliest,
-    pwrite_all,
-    pwrite_whole,
 )
 from cachefs.writeback.uploader import Uploader
 
@@ -389,12 +387,12 @@ class Writeback:
             return 0        # changes nothing (a size past EOF would exceed the staging file's)
         await self.reserve(entry, offset + len(data))
         try:
-            pwrite_whole(entry.fd, data, offset, entry.size)
+            self.journal.write_data(entry.id, entry.fd, data, offset, entry.size)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
             await self._wait_for_space(lambda: False)    # the staging disk itself is full
-            pwrite_whole(entry.fd, data, offset, entry.size)
+            self.journal.write_data(entry.id, entry.fd, data, offset, entry.size)
         self._resize(entry, max(entry.size, offset + len(data)))
         entry.touch(offset, time.time())
         return len(data)

@@ -39,6 +39,13 @@ Who writes what, in order, and the crash state each step can leave (repair at th
    there and its record dropped; after a plain SIGKILL (same boot, same mount: the page cache
    survived) the whole file is what was written and is uploaded as is. "Same mount" is statx's
    STATX_MNT_ID_UNIQUE (Linux 6.8+); where the kernel lacks it every start trusts the page cache.
+   One exception: a SIGKILL can stop a ``pwrite`` part way (the kernel copies page by page and
+   gives up at a fatal signal), leaving the front half of a log record that was never answered.
+   So a write that grows a file is *marked* first (``write_data``: the staging id and its size
+   before the write, in the memory-mapped file ``extending``, then an armed word), and unmarked
+   once whole, before the answer goes back. A trusted replay cuts a file still marked back to its
+   size before the write; the kernel sends the write again to the next daemon, or its caller got
+   an error. An untrusted one ignores the mark (the cut to ``sealed`` covers it).
 3. Rename: the record is rewritten with the new path and a new ``seq``, then a ``delete`` record
    is written for the old path if an object may exist there. Crash in between: the old object
    stays until the user deletes it (no data loss).
@@ -64,6 +71,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import mmap
 import os
 import re
 import struct
@@ -76,6 +84,9 @@ FILE, DELETE, MKDIR, RMDIR = "file", "delete", "mkdir", "rmdir"
 _KINDS = (FILE, DELETE, MKDIR, RMDIR)
 _HEX = re.compile(r"[0-9a-f]{16}")
 _STATX_MNT_ID_UNIQUE = 0x4000
+_MARK = struct.Struct("<8sQQ")            # magic, staging id, its size before the write under way
+_ARMED = struct.Struct("<Q")              # after it: 1 while that write is under way
+_MARK_MAGIC = b"CFSEXT01"
 
 
 @dataclass(slots=True)
@@ -156,6 +167,8 @@ class Journal:
             os.makedirs(path, exist_ok=True)
         self._counter = 0
         self.lost_found = 0           # staging files kept aside by replay (not trusted)
+        self.cut_back = 0             # staging files replay cut back to before a write never finished
+        self._mark = self._open_mark()
 
     def next_seq(self) -> int:
         self._counter += 1
@@ -175,6 +188,61 @@ class Journal:
     def remove_data(self, ident: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.data_path(ident))
+
+    def write_data(self, ident: int, fd: int, data: bytes, offset: int, size: int) -> None:
+        """``pwrite_whole`` to staging file ``ident`` (``size`` bytes long); a write that grows it
+        is marked as under way while it runs (step 2). One at a time: the engine's thread."""
+        mark = self._mark if offset + len(data) > size else None
+        if mark is not None:
+            _MARK.pack_into(mark, 0, _MARK_MAGIC, ident, size)
+            _ARMED.pack_into(mark, _MARK.size, 1)
+        try:
+            pwrite_whole(fd, data, offset, size)
+        finally:
+            if mark is not None:
+                _ARMED.pack_into(mark, _MARK.size, 0)
+
+    def _open_mark(self) -> mmap.mmap | None:
+        path = os.path.join(self.root, "extending")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                if os.fstat(fd).st_size < mmap.PAGESIZE:
+                    os.ftruncate(fd, mmap.PAGESIZE)
+                return mmap.mmap(fd, mmap.PAGESIZE)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:
+            log.warning("journal: cannot map %s (%s): a daemon killed as it writes may leave part of "
+                        "that write staged", path, exc)
+            return None
+
+    def _unfinished_write(self) -> tuple[int, int] | None:
+        """(staging id, size before) of a write the last daemon marked and never finished; the
+        mark is cleared."""
+        mark = self._mark
+        if mark is None:
+            return None
+        magic, ident, size = _MARK.unpack_from(mark, 0)
+        armed = _ARMED.unpack_from(mark, _MARK.size)[0]
+        _ARMED.pack_into(mark, _MARK.size, 0)
+        return (ident, size) if magic == _MARK_MAGIC and armed else None
+
+    def _cut_back(self, records: list[Record], unfinished: tuple[int, int]) -> None:
+        ident, size = unfinished
+        if not any(r.kind == FILE and r.id == ident for r in records):
+            return
+        path = self.data_path(ident)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            now = os.fstat(fd).st_size
+            if now > size:
+                log.info("journal: staging file %016x cut back from %d to %d bytes: the last daemon died as it "
+                         "wrote there (the write was never answered)", ident, now, size)
+                os.ftruncate(fd, size)
+                self.cut_back += 1
+        finally:
+            os.close(fd)
 
     def sync_data(self, fd: int) -> None:
         os.fsync(fd)
@@ -269,6 +337,7 @@ class Journal:
         None: it did if the last daemon ran on this boot and mount (``same_run_identity``)."""
         if trusted is None:
             trusted = self.same_run_identity()
+        unfinished = self._unfinished_write()
         records = self._read_records()
         winners: dict[tuple[bool, str], Record] = {}
         for record in sorted(records, key=lambda r: r.seq):
@@ -280,6 +349,8 @@ class Journal:
                 self._drop(loser)
         live = sorted(winners.values(), key=lambda r: r.seq)
         live = [r for r in live if r.kind != FILE or self._has_data(r)]
+        if trusted and unfinished is not None:
+            self._cut_back(live, unfinished)
         if not trusted:
             live = [r for r in live if r.kind != FILE or self._check_sealed(r)]
         self._remove_orphan_data({r.id for r in live if r.kind == FILE})
@@ -425,3 +496,24 @@ class Journal:
             if name.endswith(".json.bad") and _HEX.fullmatch(name[:16]):
                 ids.add(int(name[:16], 16))
         return ids
+
+
+def pwrite_whole(fd: int, data: bytes, offset: int, size: int) -> None:
+    """All of ``data`` at ``offset`` or an error, never a short write: a failed write past ``size``
+    (the file's length) is cut back to it, so no upload or replay sees part of one ``write()`` (a
+    log record cut in two on a nearly full disk)."""
+    try:
+        pwrite_all(fd, data, offset)
+    except OSError:
+        if offset + len(data) > size:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+        raise
+
+
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` (a nearly full disk writes short before it raises ENOSPC)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written

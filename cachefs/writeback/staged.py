@@ -7,7 +7,6 @@ but ``os.dup`` of a staging descriptor and ``pread_all``, which worker threads c
 of ``[0, size)`` stays valid while ``low_write >= size`` (appends never supersede it).
 """
 
-import contextlib
 import errno
 import os
 import sys
@@ -169,24 +168,3 @@ def pread_all(fd: int, size: int, offset: int = 0) -> bytes:
         parts.append(chunk)
         offset += len(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def pwrite_whole(fd: int, data: bytes, offset: int, size: int) -> None:
-    """All of ``data`` at ``offset`` or an error, never a short write: a failed write past ``size``
-    (the file's length) is cut back to it, so no upload or replay sees part of one ``write()`` (a
-    log record cut in two on a nearly full disk)."""
-    try:
-        pwrite_all(fd, data, offset)
-    except OSError:
-        if offset + len(data) > size:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, size)
-        raise
-
-
-def pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    """Write all of ``data`` (a nearly full disk writes short before it raises ENOSPC)."""
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
