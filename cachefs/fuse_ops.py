@@ -18,14 +18,14 @@ import struct
 import time
 from collections import OrderedDict
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
 from cachefs.control.protocol import CONTROL_NAME, IOCTL_RECEIVE, IOCTL_SEND
 from cachefs.control.server import Control
 from cachefs.errors import CachefsError, NeedsWait
 from cachefs.fuse.backing import Backing, Backings
 from cachefs.fuse.types import Attr, DirReply, FileInfo, FuseError, StatFs
-from cachefs.metrics import LATENCY_BUCKETS, Metrics
+from cachefs.metrics import Metrics, OperationTimes
 from cachefs.namespace.vfs import CONTROL_INODE, ROOT_INODE, FsError, Node, Vfs
 from cachefs.tiers.metrics import TierMetrics
 
@@ -112,11 +112,10 @@ class FuseMetrics:
     """The FUSE adapter's metrics: operations, their failures and latency, by operation."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        self.fuse_ops = Counter("cachefs_fuse_operations", "FUSE operations", ["op"], registry=r)
+        self.fuse_times = OperationTimes(r, ("cachefs_fuse_operations", "FUSE operations"),
+                                         ("cachefs_fuse_operation_seconds", "FUSE operation latency"))
         self.fuse_errors = Counter("cachefs_fuse_errors", "FUSE operations that failed", ["op", "errno"],
                                    registry=r)
-        self.fuse_latency = Histogram("cachefs_fuse_operation_seconds", "FUSE operation latency", ["op"],
-                                      buckets=LATENCY_BUCKETS, registry=r)
 
 
 class Operations:
@@ -526,25 +525,12 @@ class Operations:
 
 
 class _TimingCache(dict):
-    """Histogram children per operation name, resolved once (labels() is not free)."""
+    """Each operation's count and latency (``metrics.OperationTimes``), resolved once by name."""
 
     def __init__(self, metrics: Metrics) -> None:
         super().__init__()
-        self._metrics = metrics
+        self._times = metrics.fuse_times          # metrics: the FuseMetrics group
 
     def __missing__(self, name: str):
-        child = _Timing(self._metrics, name)
-        self[name] = child
+        child = self[name] = self._times.child(name)
         return child
-
-
-class _Timing:
-    __slots__ = ("_count", "_latency")
-
-    def __init__(self, metrics: Metrics, name: str) -> None:
-        self._count = metrics.fuse_ops.labels(name)       # metrics: the FuseMetrics group
-        self._latency = metrics.fuse_latency.labels(name)
-
-    def observe(self, seconds: float) -> None:
-        self._count.inc()
-        self._latency.observe(seconds)

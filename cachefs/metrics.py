@@ -7,12 +7,16 @@ with ``Metrics.group``. Labels never carry secrets or unbounded values (no paths
 tier, operation, status class and result names from small fixed sets.
 """
 
+import bisect
 import logging
+import math
 import threading
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Gauge, Info, disable_created_metrics, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, make_server
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,57 @@ class Metrics:
         """The current value of one sample (``name`` as exported, e.g. 'cachefs_tier_hits_total')."""
         value = self.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
+
+
+class OperationTime:
+    """One operation's count and latency histogram: plain numbers (``OperationTimes``)."""
+
+    __slots__ = ("buckets", "sum")
+
+    def __init__(self, bounds: int) -> None:
+        self.buckets = [0] * (bounds + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+
+class OperationTimes:
+    """A counter and a latency histogram by operation, kept as plain numbers and turned into
+    metric families at scrape time. ``observe`` costs ~0.17 us against ~1.6 us for
+    prometheus_client's counter and histogram (each takes a lock per increment), and the FUSE
+    layer observes every request. One thread observes (the trio thread); a scrape only reads."""
+
+    _labelnames = ("op",)          # as prometheus_client's own metrics name them (metrics_table)
+
+    def __init__(self, registry: CollectorRegistry, count: tuple[str, str], latency: tuple[str, str]) -> None:
+        self._count, self._latency = count, latency
+        self._ops: dict[str, OperationTime] = {}
+        registry.register(self)
+
+    def child(self, op: str) -> OperationTime:
+        found = self._ops.get(op)
+        if found is None:
+            found = self._ops[op] = OperationTime(len(LATENCY_BUCKETS))
+        return found
+
+    def describe(self):
+        return [CounterMetricFamily(*self._count, labels=["op"]), HistogramMetricFamily(*self._latency, labels=["op"])]
+
+    def collect(self):
+        counts = CounterMetricFamily(*self._count, labels=["op"])
+        latency = HistogramMetricFamily(*self._latency, labels=["op"])
+        bounds = [floatToGoString(b) for b in (*LATENCY_BUCKETS, math.inf)]
+        for op, times in list(self._ops.items()):
+            buckets, total = list(times.buckets), 0
+            cumulative = []
+            for bound, n in zip(bounds, buckets, strict=True):
+                total += n
+                cumulative.append((bound, total))
+            counts.add_metric([op], total)
+            latency.add_metric([op], cumulative, times.sum)
+        return [counts, latency]
 
 
 class Exporter:

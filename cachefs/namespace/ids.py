@@ -2,10 +2,13 @@
 
 A mount outlives its daemon (``cachefs/keeper.py``): the kernel keeps every node id it was
 given and sends them again to whichever process serves the connection next. So each id is
-written down as it is handed out, in one append-only file in the cache dir, with one
-``os.write`` (the page cache keeps it through a SIGKILL; a machine that loses power loses
-the mount too). Only new and retired ids cost a write: a hot epoch that reuses its nodes
-writes nothing. File handles need no record: each names its inode (``handles.make_fh``).
+written down as it is handed out, in one append-only file in the cache dir, mapped in memory: a
+record is two stores into the mapping, no system call (the page cache keeps it through a SIGKILL;
+a machine that loses power loses the mount too). The file is allocated ahead (``fallocate``, so a
+full disk fails the allocation, never a store into the mapping) and zero past the last record;
+each record's kind byte is stored last, so one the daemon died storing reads as the end. Only new
+and retired ids cost a record: a hot epoch that reuses its nodes writes nothing. File handles need
+no record: each names its inode (``handles.make_fh``).
 
 Records, little-endian, each a kind byte then its fields::
 
@@ -15,12 +18,13 @@ Records, little-endian, each a kind byte then its fields::
     D inode:u64                          forgotten      B inode:u64 backing:u32   a backing id
     X inode:u64                          its backing id closed
 
-A torn last record (a write cut short) ends the replay. The file is rewritten from the live
+A zero byte where a record would start, or a torn last record, ends the replay. The file is rewritten from the live
 set (``_compact``: a temporary file renamed over it) once it is over twice the live set's
 size, so it stays proportional to what the kernel holds.
 """
 
 import logging
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -33,6 +37,7 @@ _MOVE = struct.Struct("<cQH")
 _ONE = struct.Struct("<cQ")
 _BACKING = struct.Struct("<cQI")
 _MIN_COMPACT = 1 << 20
+_ALLOCATE = 1 << 20         # the file grows this much (or doubles) at a time
 
 
 @dataclass(slots=True)
@@ -68,6 +73,8 @@ class IdLog:
                                                      node.checked, node.etag, node.linked)
         self._live_bytes = 0
         self._fd = -1
+        self._map: mmap.mmap | None = None
+        self._size = 0                             # where the next record goes
         self._compact()
 
     # ---- records ---------------------------------------------------------------------------
@@ -121,42 +128,71 @@ class IdLog:
             self._write(_ONE.pack(b"X", inode))
 
     def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
     # ---- the file --------------------------------------------------------------------------
     def _write(self, record: bytes) -> None:
-        if self._fd < 0:
+        mapped = self._map
+        if mapped is None:
             return
+        end = self._size + len(record)
+        if end > len(mapped):
+            if not self._grow(end):
+                return
+            mapped = self._map
+        mapped[self._size + 1:end] = record[1:]
+        mapped[self._size] = record[0]           # last: the record is whole, or reads as the end
+        self._size = end
+        if end > max(_MIN_COMPACT, 2 * (self._live_bytes + 13 * len(self._backings))):
+            self._compact()
+
+    def _grow(self, end: int) -> bool:
+        capacity = _round_up(max(end, 2 * len(self._map), _ALLOCATE))
         try:
-            self._size += os.write(self._fd, record)
-        except OSError as exc:       # a full or failing cache disk: the mount goes on, unprotected
+            os.posix_fallocate(self._fd, 0, capacity)
+            self._map.close()
+            self._map = mmap.mmap(self._fd, capacity)
+        except (OSError, ValueError) as exc:     # a full or failing cache disk: the mount goes on, unprotected
             log.warning("cannot record kernel ids in %s (%s): a daemon that dies now takes the mount with it",
                         self.path, exc)
             self.close()
-            return
-        if self._size > max(_MIN_COMPACT, 2 * (self._live_bytes + 13 * len(self._backings))):
-            self._compact()
+            return False
+        return True
 
     def _compact(self) -> None:
-        """Rewrite the file as the live records only (write a temporary file, rename it over)."""
+        """Rewrite the file as the live records only (write a temporary file, allocate it ahead,
+        rename it over, map it)."""
         self.close()
         tmp = self.path + ".tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                for record in self._records.values():
-                    out.write(record)
-                for inode, backing_id in self._backings.items():
-                    out.write(_BACKING.pack(b"B", inode, backing_id))
-            os.replace(tmp, self.path)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            self._size = os.fstat(self._fd).st_size
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                live = b"".join([*self._records.values(),
+                                 *(_BACKING.pack(b"B", inode, backing_id) for inode, backing_id in self._backings.items())])
+                done = 0
+                while done < len(live):
+                    done += os.write(fd, live[done:])
+                capacity = _round_up(max(2 * len(live), _ALLOCATE))
+                os.posix_fallocate(fd, 0, capacity)
+                os.replace(tmp, self.path)
+                self._map = mmap.mmap(fd, capacity)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd, self._size = fd, len(live)
         except OSError as exc:
             log.warning("cannot write %s (%s): a daemon that dies takes the mount with it", self.path, exc)
-            self._fd = -1
+            self.close()
         self._live_bytes = sum(len(r) for r in self._records.values())
+
+
+def _round_up(size: int) -> int:
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _node_record(inode: int, path: str, is_dir: bool, size: int, mtime: float, checked: float, etag: str,
@@ -228,6 +264,8 @@ def _read(path: str) -> KnownIds:
                 _, inode, backing_id = _BACKING.unpack_from(data, pos)
                 known.backings[inode] = backing_id
                 pos += _BACKING.size
+            elif kind == b"\0":
+                break                    # the end: the file is allocated ahead, zero past it
             else:
                 log.warning("%s: an unknown record at byte %d; the rest is ignored", path, pos)
                 break

@@ -68,14 +68,14 @@ class HandOver:
             return None
         digest = key.digest()
         if digest not in self._verified:
-            got = self._open(key, size)
+            got = self._open(key, size, unread_if_sealed=True)
             if got is None:
                 return None
             if not self._sealed(digest, got[2]):
                 os.close(got[0])
                 raise NeedsWait
             return self._hold(got[0], key, size)
-        got = self._open(key, size)
+        got = self._open(key, size, unread_if_sealed=True)
         return self._hold(got[0], key, size) if got is not None else None
 
     async def get(self, key: BlockKey, size: int) -> ExactFile | None:
@@ -86,7 +86,7 @@ class HandOver:
         digest = key.digest()
         checked_here = digest not in self._verified
         if checked_here:
-            got = self._open(key, size)
+            got = self._open(key, size, unread_if_sealed=True)
             if got is None:
                 return None
             if self._sealed(digest, got[2]):
@@ -179,11 +179,16 @@ class HandOver:
 
     # -- plumbing --
 
-    def _open(self, key: BlockKey, size: int) -> tuple[int, fmt.BlockHeader, os.stat_result] | None:
+    def _open(self, key: BlockKey, size: int, *, unread_if_sealed: bool = False
+              ) -> tuple[int, fmt.BlockHeader | None, os.stat_result] | None:
+        """The exact file of ``key`` if it holds ``size`` bytes; its header is left unread (None)
+        when ``unread_if_sealed`` and its seal matches (checked whole, ``size`` bytes, as written)."""
         if not self.enabled:
             return None
-        got = self.disk.exact_file(key)
-        if got is not None and got[1].data_len != size:
+        seals = self.seals if unread_if_sealed else None
+        trusted = None if seals is None else (lambda st: st.st_size == size and seals.matches(key.digest(), st))
+        got = self.disk.exact_file(key, trusted)
+        if got is not None and got[1] is not None and got[1].data_len != size:
             os.close(got[0])
             return None
         return got

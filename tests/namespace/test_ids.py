@@ -49,15 +49,41 @@ def test_a_torn_last_record_is_dropped(tmp_path):
     path = str(tmp_path / "ids")
     log = IdLog(path, fresh=True)
     log.node(16, "a", False, 1, 1.0, 1.0, "x")
+    second = log._size
     log.node(17, "bbbbbbbbbb", False, 1, 1.0, 1.0, "y")
+    end = log._size
     log.close()
-    size = os.path.getsize(path)
-    os.truncate(path, size - 3)               # the daemon died in the middle of the second write
-    known = IdLog(path, fresh=False).known
-    assert sorted(known.nodes) == [16]
-    with open(path, "ab") as fh:              # garbage after a compaction is ignored with a warning too
-        fh.write(b"Z" + b"\0" * 8)
+    assert os.path.getsize(path) >= 1 << 20 and open(path, "rb").read()[end:] == bytes(os.path.getsize(path) - end)
+    with open(path, "r+b") as fh:             # the daemon died storing the second record: its kind byte
+        fh.seek(second)                       # (stored last) is still zero
+        fh.write(b"\0")
     assert sorted(IdLog(path, fresh=False).known.nodes) == [16]
+    log = IdLog(path, fresh=True)             # a log an earlier version appended to, cut in a record
+    log.node(16, "a", False, 1, 1.0, 1.0, "x")
+    log.node(17, "bbbbbbbbbb", False, 1, 1.0, 1.0, "y")
+    end = log._size
+    log.close()
+    os.truncate(path, end - 3)
+    assert sorted(IdLog(path, fresh=False).known.nodes) == [16]
+    again = IdLog(path, fresh=False)          # (a start rewrites the log: node 16 only)
+    at = again._size
+    again.close()
+    with open(path, "r+b") as fh:             # garbage after the records is ignored with a warning
+        fh.seek(at)
+        fh.write(b"Z" + b"\1" * 8)
+    assert sorted(IdLog(path, fresh=False).known.nodes) == [16]
+
+
+def test_a_record_lands_in_the_file_as_it_is_made(tmp_path):
+    """No buffering in the process: what a SIGKILL right after ``node`` leaves is in the file."""
+    path = str(tmp_path / "ids")
+    log = IdLog(path, fresh=True)
+    for inode in range(16, 16 + 5000):       # past the first allocation: the file grows, mapped again
+        log.node(inode, f"train/{inode:08d}.jpg", False, 100_000, 1.0, 1.0, "0123456789abcdef")
+    log.backing(20, 3)
+    known = IdLog(path, fresh=False).known   # read while the first log is open, as a successor does
+    assert len(known.nodes) == 5000 and known.backings == {20: 3}
+    log.close()
 
 
 def test_the_log_stays_the_size_of_the_live_set(tmp_path):

@@ -1,0 +1,35 @@
+"""The lock-free operation timings (cachefs/metrics.py ``OperationTimes``) export what
+prometheus_client's own Counter and Histogram would for the same observations."""
+
+import random
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from cachefs.metrics import LATENCY_BUCKETS, OperationTimes, metrics_table
+
+
+def test_operation_times_export_as_a_counter_and_a_histogram_would():
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    times = OperationTimes(ours, ("t_ops", "Ops"), ("t_op_seconds", "Op latency"))
+    count = Counter("t_ops", "Ops", ["op"], registry=theirs)
+    latency = Histogram("t_op_seconds", "Op latency", ["op"], buckets=LATENCY_BUCKETS, registry=theirs)
+    rng = random.Random(1)
+    samples = [*LATENCY_BUCKETS, 0.0, 1e-7, 99.0, *(rng.expovariate(2000) for _ in range(500))]
+    for seconds in samples:
+        op = rng.choice(["open", "lookup", "release"])
+        times.child(op).observe(seconds)
+        count.labels(op).inc()
+        latency.labels(op).observe(seconds)
+
+    def lines(registry):
+        text = generate_latest(registry).decode().splitlines()
+        return sorted(line for line in text if not line.startswith("#") and "_created" not in line)
+
+    mine, reference = lines(ours), lines(theirs)
+    assert len(mine) == len(reference) > 3 * (len(LATENCY_BUCKETS) + 3)
+    for a, b in zip(mine, reference, strict=True):
+        name_a, value_a = a.rsplit(" ", 1)
+        name_b, value_b = b.rsplit(" ", 1)
+        assert name_a == name_b and abs(float(value_a) - float(value_b)) < 1e-9, (a, b)
+    table = metrics_table(ours)
+    assert "| `t_ops_total` | counter | `op` | Ops |" in table and "| `t_op_seconds` | histogram | `op` |" in table
