@@ -45,7 +45,7 @@ from cachefs.store import ObjectStore
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.handover import ExactFile, HandOver
 from cachefs.tiers.hedge import HedgePolicy, Hedger, cancellable_gets
-from cachefs.tiers.key import WHOLE, BlockKey
+from cachefs.tiers.key import WHOLE, BlockKey, Keys
 from cachefs.tiers.memory import MemoryTier
 from cachefs.tiers.metrics import TierMetrics
 from cachefs.tiers.stream import Stream
@@ -99,6 +99,7 @@ class Tiers:
         self.metrics = metrics
         self._m = metrics.group(TierMetrics)
         self.block_size = block_size
+        self._keys = Keys(store.identity, block_size)
         self.readahead_size = readahead_size
         self._fetch_limiter = trio.CapacityLimiter(max_fetches)
         self._readahead_limiter = trio.CapacityLimiter(max_readaheads)   # never queues a reader
@@ -137,7 +138,7 @@ class Tiers:
             await self.disk.wait_idle()
 
     def key(self, f: FileVersion, index: int) -> BlockKey:
-        return BlockKey(self.store.identity, f.path, f.etag, self.block_size, index)
+        return self._keys.get(f.path, f.etag, index)
 
     def block_count(self, f: FileVersion) -> int:
         return -(-f.size // self.block_size)

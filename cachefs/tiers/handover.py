@@ -71,7 +71,7 @@ class HandOver:
             got = self._open(key, size, unread_if_sealed=True)
             if got is None:
                 return None
-            if not self._sealed(digest, got[2]):
+            if not self._sealed(digest, got):
                 os.close(got[0])
                 raise NeedsWait
             return self._hold(got[0], key, size)
@@ -89,7 +89,7 @@ class HandOver:
             got = self._open(key, size, unread_if_sealed=True)
             if got is None:
                 return None
-            if self._sealed(digest, got[2]):
+            if self._sealed(digest, got):
                 return self._hold(got[0], key, size)
             os.close(got[0])
             if key.index != WHOLE:
@@ -113,10 +113,11 @@ class HandOver:
             self.seals.seal(digest, got[2])
         return self._hold(got[0], key, size)
 
-    def _sealed(self, digest: str, st: os.stat_result) -> bool:
-        """Whether the open file ``st`` describes is the one checked and sealed in this boot
-        (disk/seals.py): then it counts as verified, and is queued for the scrub."""
-        if self.seals is None or not self.seals.matches(digest, st):
+    def _sealed(self, digest: str, got: tuple[int, fmt.BlockHeader | None, os.stat_result]) -> bool:
+        """Whether the open file ``got`` (from ``_open``) is the one checked and sealed in this
+        boot (disk/seals.py; no header read: ``_open`` matched the seal already): then it counts as
+        verified, and is queued for the scrub."""
+        if got[1] is not None and (self.seals is None or not self.seals.matches(digest, got[2])):
             return False
         # checked as it was written by this daemon: scrubbed in its turn; else at once
         self._verified[digest] = time.monotonic() - (SCRUB_AGE if self.seals.inherited(digest) else 0)

@@ -38,3 +38,23 @@ class BlockKey:
             digest = hashlib.blake2b(raw.encode("utf-8", "surrogateescape"), digest_size=20).hexdigest()
             object.__setattr__(self, "_digest", digest)
         return digest
+
+
+class Keys:
+    """The block keys of one store and block size, each made once while recently used: a lookup
+    and the open after it ask for the same key, and a new key means a dataclass built and a
+    blake2b digest computed again. Bounded: cleared whole past ``limit`` keys (the trio thread's)."""
+
+    __slots__ = ("store", "block_size", "_keys", "_limit")
+
+    def __init__(self, store: str, block_size: int, limit: int = 8192) -> None:
+        self.store, self.block_size, self._limit = store, block_size, limit
+        self._keys: dict[tuple[str, str, int], BlockKey] = {}
+
+    def get(self, path: str, etag: str, index: int) -> BlockKey:
+        known = self._keys.get((path, etag, index))
+        if known is None:
+            if len(self._keys) >= self._limit:
+                self._keys.clear()
+            known = self._keys[path, etag, index] = BlockKey(self.store, path, etag, self.block_size, index)
+        return known
