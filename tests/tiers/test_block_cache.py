@@ -12,6 +12,7 @@ from memory_stores import BS, blob, bucket_mem, count, make_cache, make_disk, se
 from cachefs.errors import Unreachable, VersionChanged
 from cachefs.metrics import Metrics
 from cachefs.tiers.cache import Stream
+from cachefs.tiers.key import BlockKey, Keys
 
 # --- single flight ------------------------------------------------------------------------------
 
@@ -283,6 +284,17 @@ def test_block_key_pins_the_version(bucket_mem):
         assert await cache.read(f_new, 0, 100) == new[:100]      # not served from the old block
         assert store.calls["get"] == 3
     trio.run(main)
+
+
+def test_keys_are_made_once_while_recent_and_stay_what_a_new_key_would_be():
+    keys = Keys("s3://b/p", BS, limit=4)
+    a = keys.get("f", "e1", 0)
+    assert keys.get("f", "e1", 0) is a and a == BlockKey("s3://b/p", "f", "e1", BS, 0)
+    assert a.digest() == BlockKey("s3://b/p", "f", "e1", BS, 0).digest()
+    others = [keys.get("f", "e2", 0), keys.get("f", "e1", 1), keys.get("g", "e1", 0)]
+    assert len({a, *others}) == 4 and len({k.digest() for k in (a, *others)}) == 4
+    fifth = keys.get("h", "e1", 0)                    # past the limit: the memo starts again
+    assert keys.get("f", "e1", 0) is not a and keys.get("f", "e1", 0) == a and fifth == keys.get("h", "e1", 0)
 
 
 # --- readahead ----------------------------------------------------------------------------------
