@@ -18,9 +18,9 @@ Records, little-endian, each a kind byte then its fields::
     D inode:u64                          forgotten      B inode:u64 backing:u32   a backing id
     X inode:u64                          its backing id closed
 
-A zero byte where a record would start, or a torn last record, ends the replay. The file is rewritten from the live
-set (``_compact``: a temporary file renamed over it) once it is over twice the live set's
-size, so it stays proportional to what the kernel holds.
+A zero byte where a record would start, or a torn last record, ends the replay. The file is
+rewritten from the live set (``_compact``: a temporary file renamed over it) once it is over
+twice the live set's size, so it stays proportional to what the kernel holds.
 """
 
 import logging
