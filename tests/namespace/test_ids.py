@@ -86,6 +86,27 @@ def test_a_record_lands_in_the_file_as_it_is_made(tmp_path):
     log.close()
 
 
+@pytest.mark.allow_warnings          # the full disk is logged once
+def test_a_full_cache_disk_leaves_the_mount_unprotected_not_broken(tmp_path, monkeypatch, caplog):
+    path = str(tmp_path / "ids")
+    log = IdLog(path, fresh=True)
+    log.node(16, "kept", False, 1, 1.0, 1.0, "x")
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    for inode in range(17, 17 + 20_000):      # past the first allocation: growing it fails
+        log.node(inode, f"train/{inode:08d}.jpg", False, 1, 1.0, 1.0, "0123456789abcdef")
+    log.backing(16, 4)                        # no-ops from here on, never an exception
+    assert sum("cannot record kernel ids" in r.getMessage() for r in caplog.records) == 1
+    log.close()
+    monkeypatch.undo()
+    known = IdLog(path, fresh=False).known    # what was recorded before the disk filled is there
+    assert 16 in known.nodes and 17 in known.nodes and 17 + 19_999 not in known.nodes
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert IdLog(str(tmp_path / "other"), fresh=True)._map is None      # at start: unprotected, serving
+
+
 def test_the_log_stays_the_size_of_the_live_set(tmp_path):
     path = str(tmp_path / "ids")
     log = IdLog(path, fresh=True)
