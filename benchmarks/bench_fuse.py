@@ -14,7 +14,10 @@ Per round and variant, page cache dropped where it says so:
   again       the same, a second open (passthrough: the kernel reads the verified file)
 
 with the daemon's CPU per file (``cpu_meter``). Local rows run before and after the mount rows
-of each round; ratios divide by their mean. Needs root (drop_caches, FUSE).
+of each round; ratios divide by their mean. ``--list-first`` walks the tree (untimed) before each
+disk-tier epoch, as a loader that scans its dataset at start does (torchvision's ImageFolder):
+the mount then answers the epoch's opens with no LOOKUP (READDIRPLUS gave the kernel every entry).
+Needs root (drop_caches, FUSE).
 
     sudo .venv/bin/python -m benchmarks.bench_fuse --quick
     sudo .venv/bin/python -m benchmarks.bench_fuse --readers 16 --variants "cachefs,--fuse-loops=1" "cachefs,--fuse-loops=4"
@@ -58,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (reuses the dataset and caches)")
+    parser.add_argument("--list-first", action="store_true",
+                        help="walk the tree before each disk-tier epoch (untimed), as ImageFolder does at start")
     args = parser.parse_args(argv)
     args.files = args.files if args.files is not None else (2000 if args.quick else 10_000)
     args.large_size = args.large_size or (256 * MiB if args.quick else 1024 * MiB)
@@ -98,8 +103,16 @@ class Bench:
             if result.returncode != 0:
                 raise RuntimeError(f"warmup failed: {result.stderr.strip()}")
 
+    def listed(self, root: Path) -> None:
+        """``--list-first``: the loader's scan of its dataset, before the epoch and not timed."""
+        if self.args.list_first:
+            found = sum(len(files) for _dir, _dirs, files in os.walk(root))
+            if found < len(self.order):
+                raise RuntimeError(f"listing {root} found {found} files, not {len(self.order)}")
+
     def local_rows(self, round_: int) -> None:
         drop_page_cache()
+        self.listed(self.root)
         self.epoch(round_, "local disk", "disk", self.root, None)
         self.epoch(round_, "local disk", "hot", self.root, None, passes=self.args.hot_passes)
         drop_page_cache()
@@ -108,6 +121,7 @@ class Bench:
     def mount_rows(self, round_: int, variant: str) -> None:
         drop_page_cache()
         with self.mount(variant) as mnt:
+            self.listed(mnt.mountpoint)
             self.epoch(round_, variant, "disk", mnt.mountpoint, mnt.pid)
             self.epoch(round_, variant, "hot", mnt.mountpoint, mnt.pid, passes=self.args.hot_passes)
             drop_page_cache()
