@@ -61,37 +61,44 @@ def test_a_directory_with_a_hex_name_under_data_is_left_alone(tmp_path):
 
 
 # ---- a write the daemon died in the middle of (step 2's exception) -------------------------------
-def marked_write_left_unfinished(root, ident: int, before: bytes, part: bytes) -> Journal:
-    """What a SIGKILL inside ``write_data`` leaves: the mark armed, part of the write on disk."""
+def marked_write_left_unfinished(root, ident: int, before: bytes, part: bytes) -> None:
+    """What a SIGKILL inside ``write_data`` leaves: the mark armed, ``part`` of the write on disk
+    (a forked child dies inside its ``pwrite``: no ``finally`` runs, as at a SIGKILL)."""
     journal = Journal(str(root), fsync=False)
     write_record(root, Record(ident, ident, "file", "logs/a.log", 1.0), before)
     fd = os.open(root / "data" / f"{ident:016x}", os.O_RDWR)
     try:
-        journal.write_data(ident, fd, b"", len(before), len(before))        # nothing to mark
-        journal.write_data(ident, fd, b"Z" * 10, 0, len(before))            # inside the file: no mark
-        mark = journal._mark
-        journal._mark = None
-        try:
-            journal.write_data(ident, fd, b"done", len(before), len(before))  # unmarked: finished
-        finally:
-            journal._mark = mark
-        os.ftruncate(fd, len(before))
         pid = os.fork()
-        if pid == 0:                                        # the daemon, dying inside the pwrite
+        if pid == 0:
+            original = os.pwrite
+
             def dies_half_way(fd_, data, offset):
-                os.write(fd_, bytes(data[:len(part)])) if os.lseek(fd_, offset, 0) >= 0 else None
-                os._exit(0)                                 # no finally runs, as at a SIGKILL
+                original(fd_, bytes(data[:len(part)]), offset)
+                os._exit(0)
             os.pwrite = dies_half_way
             journal.write_data(ident, fd, part + b"rest of the record", len(before), len(before))
             os._exit(1)
         assert os.waitpid(pid, 0)[1] == 0
     finally:
         os.close(fd)
-    return journal
+
+
+def test_writes_that_finish_leave_nothing_to_cut(tmp_path):
+    journal = Journal(str(tmp_path), fsync=False)
+    write_record(tmp_path, Record(0x20, 0x20, "file", "logs/a.log", 1.0), b"one\n")
+    fd = os.open(tmp_path / "data" / f"{0x20:016x}", os.O_RDWR)
+    try:
+        journal.write_data(0x20, fd, b"two\n", 4, 4)          # grows the file: marked, then cleared
+        journal.write_data(0x20, fd, b"ONE\n", 0, 8)          # inside it: not marked
+    finally:
+        os.close(fd)
+    again = Journal(str(tmp_path), fsync=False)
+    assert [r.path for r in again.replay(trusted=True)] == ["logs/a.log"] and again.cut_back == 0
+    assert (tmp_path / "data" / f"{0x20:016x}").read_bytes() == b"ONE\ntwo\n"
 
 
 def test_a_write_cut_short_by_the_daemons_death_is_cut_back_at_replay(tmp_path, caplog):
-    before = b"Z" * 10 + b"record one\n"
+    before = b"record one\n"
     marked_write_left_unfinished(tmp_path, 0x21, before, b"rec")
     data = tmp_path / "data" / f"{0x21:016x}"
     assert data.read_bytes() == before + b"rec"
