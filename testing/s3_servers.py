@@ -114,6 +114,9 @@ class _ProcessServer:
     def _ready(self) -> bool:
         return http_answers(self.endpoint_url + "/")
 
+    def _env(self) -> dict | None:
+        return None
+
     def __enter__(self):
         self.workdir.mkdir(parents=True, exist_ok=True)
         path = self.workdir / f"{self.name}.log"
@@ -121,7 +124,7 @@ class _ProcessServer:
             with open(path, "ab") as log:
                 start = log.tell()
                 self.proc = subprocess.Popen(self._command(), stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT, cwd=self.workdir)
+                                             stderr=subprocess.STDOUT, cwd=self.workdir, env=self._env())
             try:
                 self._wait_ready()
                 return self
@@ -154,6 +157,27 @@ class _ProcessServer:
 class SeaweedServer(_ProcessServer):
     name = "seaweedfs"
     stop_timeout = 3.0   # its graceful stop takes ~15 s; the data is disposable
+    _tmp: str | None = None
+
+    _ports: tuple[int, ...] = ()
+
+    def _env(self) -> dict:
+        """Its own TMPDIR, removed at stop: weed writes its logs there and leaves them."""
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix="cachefs-weed-")
+        return {**os.environ, "TMPDIR": self._tmp}
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+        # its local sockets are /tmp/seaweedfs-<service>-<port>.sock whatever TMPDIR says: ours
+        # are the ones named with the ports this server was given
+        for port in self._ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    sock.unlink()
 
     def _command(self) -> list[str]:
         # -volume.max is fixed: with 0 SeaweedFS sizes it from the disk's free space (1 volume per
@@ -164,6 +188,7 @@ class SeaweedServer(_ProcessServer):
         grpc = {key: free_port() for key in ("master", "volume", "filer", "s3")}
         data = self.workdir / "seaweedfs-data"
         data.mkdir(exist_ok=True)
+        self._ports += (self.port, *ports.values(), *grpc.values())
         return [
             find_binary("weed"), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
             f"-master.port={ports['master']}", f"-master.port.grpc={grpc['master']}",
