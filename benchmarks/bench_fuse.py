@@ -9,6 +9,8 @@ Per round and variant, page cache dropped where it says so:
 
   disk tier   remount (empty memory tier), drop, 8 readers in one shuffled order   vs local disk (dropped)
   hot         again, no drop (the kernel page cache)                               vs local page cache
+  known       again, pages dropped, the kernel's inodes kept (epoch 2+ of a        vs local disk (dropped)
+              dataset larger than RAM: each open answered with the inode's backing id)
   large       one reader, 1 MiB reads of the large file, dropped                   vs local disk (dropped)
               (the first open in the daemon's life: with passthrough, it verifies the cache file)
   again       the same, a second open (passthrough: the kernel reads the verified file)
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import dataset, readers
 from benchmarks.cachefs_mount import CachefsMount, drop_page_cache
-from benchmarks.cpu_meter import CpuMeter
+from benchmarks.cpu_meter import CpuMeter, with_children
 
 MiB = 1 << 20
 DEFAULT_VARIANTS = ("cachefs", "pyfuse3")
@@ -124,6 +126,8 @@ class Bench:
             self.listed(mnt.mountpoint)
             self.epoch(round_, variant, "disk", mnt.mountpoint, mnt.pid)
             self.epoch(round_, variant, "hot", mnt.mountpoint, mnt.pid, passes=self.args.hot_passes)
+            drop_page_cache(keep_inodes=True)
+            self.epoch(round_, variant, "known", mnt.mountpoint, mnt.pid)
             drop_page_cache()
             self.sequential(round_, variant, mnt.mountpoint / self.large.path, mnt.pid)
             drop_page_cache()               # a second open: its cache file was verified by the first
@@ -131,14 +135,14 @@ class Bench:
 
     def epoch(self, round_: int, who: str, kind: str, root: Path, pid: int | None, passes: int = 1) -> None:
         order = self.order * passes
-        with CpuMeter(daemon=[pid]) as meter:
+        with CpuMeter(daemon=with_children(pid)) as meter:
             result = readers.read_files(f"{who} {kind}", root, order, self.args.readers, verify_every=10)
         if not result.ok:
             raise RuntimeError(f"{who} {kind}: {result.tally}")
         self.record(round_, who, kind, files_s=len(order) / result.seconds, meter=meter, files=len(order))
 
     def sequential(self, round_: int, who: str, path: Path, pid: int | None = None, kind: str = "large") -> None:
-        with CpuMeter(daemon=[pid]) as meter:
+        with CpuMeter(daemon=with_children(pid)) as meter:
             result = readers.read_sequential(f"{who} {kind}", path, self.large)
         if not result.ok:
             raise RuntimeError(f"{who} {kind}: {result.tally}")
@@ -157,12 +161,14 @@ def summary(rows: list[dict], variants: list[str]) -> list[str]:
     """Per variant and row kind: the median over rounds, and the ratio to local disk (its rows
     of the same round: the mean of the runs before and after)."""
     lines = ["| variant | disk tier files/s (x local) | daemon ms/file | hot files/s (x page cache) | "
-             "large MB/s, first open (x local dd) | large, opened again |", "|---|---|---|---|---|---|"]
+             "disk tier, inodes known (x local) | daemon ms/file | large MB/s, first open (x local dd) | "
+             "large, opened again |", "|---|---|---|---|---|---|---|---|"]
     for variant in variants:
         cells = []
-        for kind, unit in (("disk", "files_s"), ("hot", "files_s"), ("large", "mb_s"), ("again", "mb_s")):
+        for kind, unit in (("disk", "files_s"), ("hot", "files_s"), ("known", "files_s"), ("large", "mb_s"),
+                           ("again", "mb_s")):
             ratios, values, cpu = [], [], []
-            base = "large" if kind == "again" else kind
+            base = {"again": "large", "known": "disk"}.get(kind, kind)
             for row in (r for r in rows if r["who"] == variant and r["kind"] == kind):
                 local = [r[unit] for r in rows if r["who"] == "local disk" and r["kind"] == base
                          and r["round"] in (row["round"], row["round"] + 1)]
@@ -175,7 +181,7 @@ def summary(rows: list[dict], variants: list[str]) -> list[str]:
             values.sort()
             ratios.sort()
             cells.append(f"{values[len(values) // 2]:,.0f} ({ratios[0]:.2f}-{ratios[-1]:.2f}x)")
-            if kind == "disk":
+            if kind in ("disk", "known"):
                 cpu.sort()
                 cells.append(f"{cpu[0]:.3f}-{cpu[-1]:.3f}")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")

@@ -61,6 +61,20 @@ def client_cpu_s() -> float:
     return total
 
 
+def with_children(pid: int | None) -> list[int | None]:
+    """``pid`` and its children (a daemon's request loop processes), as the meter names them."""
+    if pid is None:
+        return [None]
+    found: list[int | None] = [pid]
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"{task.path}/children") as fh:
+                found.extend(int(child) for child in fh.read().split())
+    except OSError:
+        pass
+    return found
+
+
 def pids_with_arg(arg: str | Path) -> list[int]:
     """PIDs whose command line has ``arg`` as one whole argument (a peer's daemon, by its mountpoint)."""
     want = os.fsencode(str(arg))

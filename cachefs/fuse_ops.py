@@ -283,6 +283,11 @@ class Operations:
         if backing.exact is not None:
             self.vfs.blocks.release_exact(backing.exact)
 
+    def loops_started(self, loops) -> None:
+        """Request loop processes run (cachefs/fuse/loop_procs.py): they answer the opens of every
+        inode with a backing by themselves from now on."""
+        self.backings.attach(loops)
+
     def restore_backings(self, backings: dict[int, int]) -> None:
         """Backing ids a previous daemon of this mount registered (inode -> id)."""
         for inode, backing_id in backings.items():

@@ -1,13 +1,15 @@
 """The FUSE layer: the kernel protocol over ``/dev/fuse`` (``session``), mounting (``mount``),
 the handler types (``types``), and the pyfuse3 fallback (``pyfuse3_backend``).
 
+The session (and trio with it) is imported on first use: a request-loop process
+(``loop_worker``) imports this package for the table it answers from, and nothing heavier.
+
 ``backend(name)`` returns what the daemon mounts and serves with: ``cachefs`` (our own session,
 the default) or ``pyfuse3``. Both take the same ``fuse_ops.Operations``.
 """
 
 from cachefs.fuse import abi
 from cachefs.fuse.mount import MountOptions
-from cachefs.fuse.session import Session, SessionOptions
 from cachefs.fuse.types import Attr, Context, DirReply, FileInfo, FuseError, SetattrFields, StatFs
 
 __all__ = ["Attr", "CachefsBackend", "Context", "DirReply", "FileInfo", "FuseError", "MountOptions", "Session",
@@ -19,7 +21,8 @@ class CachefsBackend:
 
     name = "cachefs"
 
-    def __init__(self, options: SessionOptions | None = None, cloned=None) -> None:
+    def __init__(self, options=None, cloned=None) -> None:
+        from cachefs.fuse.session import Session
         self.session = Session(options, cloned=cloned)
         self.kernel = self.session
 
@@ -46,6 +49,7 @@ class CachefsBackend:
         return {"backend": self.name, "protocol": f"7.{n.minor}", "flags": abi.flag_names(n.flags).split(),
                 "passthrough": self.session.passthrough, "requests": self.session.requests,
                 "inflight_log": self.session.inflight.status() if self.session.inflight is not None else None,
+                "loop_processes": self.session.procs.status() if self.session.procs is not None else None,
                 "by_opcode": {abi.OPCODE_NAMES.get(op, str(op)): count
                               for op, count in sorted(self.session.opcodes.items())}}
 
@@ -53,7 +57,14 @@ class CachefsBackend:
         self.session.close(unmount)
 
 
-def backend(name: str, options: SessionOptions | None = None, cloned=None):
+def __getattr__(name: str):
+    if name in ("Session", "SessionOptions"):
+        from cachefs.fuse import session
+        return getattr(session, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def backend(name: str, options=None, cloned=None):
     """``cloned``: a Port called with each request loop's cloned descriptor (our own layer)."""
     if name == "pyfuse3":
         from cachefs.fuse.pyfuse3_backend import Pyfuse3Backend

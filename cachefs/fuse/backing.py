@@ -11,6 +11,11 @@ id: no syscall, no verification. Such idle backings keep their cache files held 
 so they are bounded (``max_idle`` of them, ``max_idle_bytes`` of files); past either, the oldest
 are closed.
 
+Where request loops run as processes (``loop_procs.py``), every backing is published for them to
+answer opens with (``attach``). Closing one then waits: it is taken out of the loops' table and
+kept, still answering the daemon's own opens of its inode, until no loop can still answer an open
+with it and every file the loops opened on it is released (``sweep``, ticked by the loops).
+
 A backing id lives in the connection, not in the daemon: one a previous daemon of the mount
 registered is taken over (``restore``) and answers every open of its inode from then on. How many
 files the kernel has open on it is not known, so it is never closed while idle, only at the
@@ -30,6 +35,8 @@ class Backing:
     exact: ExactFile | None       # None: restored (the kernel holds the file; no cache file is held here)
     opens: int = 1
     inode: int = 0
+    slot: int = -1                # its slot in the loop processes' table (-1: not published)
+    closing: object = None        # taken out of the loops' table, to close once they let go (Closing)
 
     @property
     def size(self) -> int:
@@ -45,6 +52,19 @@ class Backings:
         self.by_fh: dict[int, int] = {}            # file handle -> inode
         self._idle: OrderedDict[int, Backing] = OrderedDict()     # inode -> backing with no open handle
         self._idle_bytes = 0
+        self._loops = None                         # the loop processes (loop_procs.LoopProcesses), if any
+        self._closing: dict[int, Backing] = {}     # inode -> backing waiting for the loops to let go
+
+    def attach(self, loops) -> None:
+        """Request loop processes run: publish every backing for them, from now on each new one."""
+        self._loops = loops
+        loops.ticks.append(self.sweep)
+        for backing in self.by_inode.values():
+            self._publish(backing)
+
+    def _publish(self, backing: Backing) -> None:
+        if self._loops is not None:
+            backing.slot = self._loops.publish(backing.inode, backing.id, backing.slot)
 
     def __len__(self) -> int:
         return len(self.by_inode)
@@ -54,6 +74,10 @@ class Backings:
         backing = self.by_inode.get(inode)
         if backing is None:
             return 0
+        if backing.closing is not None:            # still registered: the loops may answer opens again
+            backing.closing = None
+            del self._closing[inode]
+            self._publish(backing)
         if backing.opens == 0 and inode in self._idle:
             del self._idle[inode]
             self._idle_bytes -= backing.size
@@ -61,11 +85,13 @@ class Backings:
         return backing.id
 
     def add(self, inode: int, backing_id: int, exact: ExactFile) -> None:
-        self.by_inode[inode] = Backing(backing_id, exact, inode=inode)
+        self.by_inode[inode] = backing = Backing(backing_id, exact, inode=inode)
+        self._publish(backing)
 
     def restore(self, inode: int, backing_id: int) -> None:
         """A backing id a previous daemon registered for ``inode`` (pinned until its FORGET)."""
-        self.by_inode[inode] = Backing(backing_id, None, opens=0, inode=inode)
+        self.by_inode[inode] = backing = Backing(backing_id, None, opens=0, inode=inode)
+        self._publish(backing)
 
     def bind(self, fh: int, inode: int) -> None:
         self.by_fh[fh] = inode
@@ -84,21 +110,49 @@ class Backings:
                 self._drop(next(iter(self._idle)))
 
     def forget(self, inode: int) -> None:
-        """The kernel forgot ``inode``: its idle (or restored) backing is closed."""
+        """The kernel forgot ``inode``: its idle (or restored) backing is closed (no file of the
+        inode is open any more, in any loop, and no open of it can come)."""
         if inode in self._idle:
-            self._drop(inode)
+            self._drop(inode, now=True)
         else:
             backing = self.by_inode.get(inode)
-            if backing is not None and backing.exact is None and backing.opens <= 0:
+            if backing is not None and (backing.closing is not None or backing.exact is None and backing.opens <= 0):
+                self._closing.pop(inode, None)
+                self._unpublish(backing)
                 del self.by_inode[inode]
                 self._close(backing)
 
     def close_all(self) -> None:
+        """The session ends: every idle backing is closed, and those the loops had not let go."""
         for inode in list(self._idle):
-            self._drop(inode)
+            self._drop(inode, now=True)
+        for inode in list(self._closing):
+            backing = self._closing.pop(inode)
+            del self.by_inode[inode]
+            self._close(backing)
 
-    def _drop(self, inode: int) -> None:
+    def sweep(self) -> None:
+        """Close the backings the loops have let go of (``loop_procs``: ``closable``)."""
+        for inode, backing in list(self._closing.items()):
+            if self._loops.closable(backing.closing):
+                del self._closing[inode]
+                del self.by_inode[inode]
+                self._loops.free(backing.slot)
+                self._close(backing)
+
+    def _drop(self, inode: int, now: bool = False) -> None:
         backing = self._idle.pop(inode)
         self._idle_bytes -= backing.size
+        if backing.slot >= 0 and not now:
+            backing.closing = self._loops.retract(inode, backing.slot)    # closed by ``sweep``
+            self._closing[inode] = backing
+            return
+        self._unpublish(backing)
         del self.by_inode[inode]
         self._close(backing)
+
+    def _unpublish(self, backing: Backing) -> None:
+        if backing.slot >= 0:
+            self._loops.table.retract(backing.inode)
+            self._loops.free(backing.slot)
+            backing.slot = -1

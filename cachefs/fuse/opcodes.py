@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cachefs.fuse import abi
+from cachefs.fuse.looptable import LOOP_FH
 from cachefs.fuse.types import Attr, DirReply, FileInfo, FuseError, SetattrFields, StatFs
 
 if TYPE_CHECKING:
@@ -187,6 +188,11 @@ class Opcodes:
 
     def _release(self, req: Request) -> None:
         fh = abi.RELEASE_IN.unpack_from(req.body)[0]
+        if fh & LOOP_FH:                 # a loop process's handle (loop_procs.py): counted, nothing held
+            if self.procs is not None:
+                self.procs.released(fh)
+            self.reply(req)
+            return
         ops = self.ops
         now = getattr(ops, "now_release", None)
         self._answer(req, now and (lambda: now(fh)), lambda: ops.release(fh), _empty)
@@ -267,6 +273,8 @@ class Opcodes:
 
     def _ioctl(self, req: Request) -> None:
         fh, _flags, cmd, _arg, in_size, out_size = abi.IOCTL_IN.unpack_from(req.body)
+        if fh & LOOP_FH:
+            raise FuseError(errno.ENOTTY)
         data = bytes(req.body[abi.IOCTL_IN.size:abi.IOCTL_IN.size + in_size])
         if fh == 0 and hasattr(self.ops, "implicit_fh"):      # opened with no OPEN
             fh = self.ops.implicit_fh(req.nodeid, req.ctx(), cmd)

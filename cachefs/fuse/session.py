@@ -35,6 +35,7 @@ import trio
 from cachefs.errors import CachefsError, NeedsWait
 from cachefs.fuse import abi, mount
 from cachefs.fuse.inflight import InflightLog
+from cachefs.fuse.loop_procs import LoopProcesses, new_nonce
 from cachefs.fuse.mount import MountOptions
 from cachefs.fuse.opcodes import Opcodes
 from cachefs.fuse.types import Context, FuseError
@@ -57,6 +58,7 @@ class SessionOptions:
     passthrough: bool = False           # ask for FUSE_PASSTHROUGH (where the kernel offers it)
     readdirplus: bool = True
     loops: int = 0                      # extra request loops: threads reading cloned descriptors
+    loop_processes: bool = False        # ... or processes that answer published opens themselves
     inflight: str | None = None         # the in-flight log's path (a mount under a keeper)
     no_open: bool = False               # ask for zero-message opens (FUSE_NO_OPEN_SUPPORT), answer OPEN ENOSYS
 
@@ -66,7 +68,8 @@ class SessionOptions:
         requests; the in-flight log in the cache dir where a keeper keeps the mount (``kept``)."""
         return cls(max_background=cfg.fuse_max_background,
                    congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4), passthrough=passthrough,
-                   loops=cfg.fuse_loops, inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if kept else None,
+                   loops=cfg.fuse_loops, loop_processes=cfg.fuse_loop_kind == "process" and cfg.immutable,
+                   inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if kept else None,
                    no_open=cfg.fuse_no_open)
 
 
@@ -150,6 +153,7 @@ class Session(Opcodes):
         self._in_hand = 0             # requests being answered by tasks
         self.inflight: InflightLog | None = None     # kept while the kernel cannot resend
         self.cloned = cloned if cloned is not None else Port("cloned")   # each new clone (the keeper holds it too)
+        self.procs: LoopProcesses | None = None      # request loops as processes (loop_procs.py)
 
     def adopt(self, fds: list[int], negotiated: dict, mountpoint: str) -> None:
         """Serve the connection of ``fds`` (the session's descriptor, then clones for the request
@@ -167,6 +171,8 @@ class Session(Opcodes):
         """Read no more requests; ``serve`` returns once those in hand are answered (at most 5 s:
         the kernel sends the rest again to the next daemon)."""
         self._stop = True
+        if self.procs is not None:
+            self.procs.stop()
         if self._reading is not None:
             self._reading.cancel()
 
@@ -182,6 +188,8 @@ class Session(Opcodes):
                 mount.unmount(self.mountpoint, lazy=True)
             except CachefsError as exc:
                 log.warning("%s", exc)
+        if self.procs is not None:
+            self.procs.close()
         for fd in self._clones:
             os.close(fd)
         self._clones.clear()
@@ -269,24 +277,63 @@ class Session(Opcodes):
             self._given_clones = []
             return
         await self._initialized.wait()
+        if self.options.loop_processes and self._start_processes():
+            return
         for i in range(self.options.loops):
-            if self._given_clones:
-                fd = self._given_clones.pop(0)      # a clone a previous daemon made (the keeper kept it)
-            else:
-                try:
-                    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-                    fcntl.ioctl(fd, abi.DEV_IOC_CLONE, bytearray(struct.pack("<I", self.fd)))
-                except OSError as exc:
-                    log.info("cannot clone the FUSE descriptor (%s): %d request loop(s) only", exc, i + 1)
-                    return
-                self.cloned(fd)
-            self._clones.append(fd)
+            fd = self._clone()
+            if fd is None:
+                log.info("%d request loop(s) only", i + 1)
+                return
             threading.Thread(target=self._clone_loop, args=(fd, len(self._clones)), name=f"fuse-loop-{i + 1}",
                              daemon=True).start()
         log.info("%d extra FUSE request loop(s) on cloned descriptors", self.options.loops)
+        self._keep_given()
+
+    def _clone(self) -> int | None:
+        """A descriptor for one more request loop: a clone a previous daemon made (the keeper kept
+        it), else a new clone of the session's (given to the keeper); None if the kernel refuses."""
+        if self._given_clones:
+            fd = self._given_clones.pop(0)
+        else:
+            try:
+                fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+                fcntl.ioctl(fd, abi.DEV_IOC_CLONE, bytearray(struct.pack("<I", self.fd)))
+            except OSError as exc:
+                log.info("cannot clone the FUSE descriptor (%s)", exc)
+                return None
+            self.cloned(fd)
+        self._clones.append(fd)
+        return fd
+
+    def _keep_given(self) -> None:
         for fd in self._given_clones:     # more clones than loops now: the kernel resent their requests
             self._clones.append(fd)
         self._given_clones = []
+
+    def _start_processes(self) -> bool:
+        """Request loops as processes (loop_procs.py) where what they answer cannot change under
+        them: passthrough agreed and a kernel that sends requests again (a loop that dies loses none)."""
+        if not (self.passthrough and self.negotiated.resend):
+            log.info("request loop processes need FUSE passthrough and FUSE_NOTIFY_RESEND (Linux 6.9+): "
+                     "thread loops instead")
+            return False
+        fds = [fd for fd in (self._clone() for _ in range(self.options.loops)) if fd is not None]
+        if not fds:
+            return False
+        self.procs = LoopProcesses(self._forwarded, lambda: self._notify(abi.NOTIFY_RESEND, []), count=len(fds),
+                                   nonce=new_nonce())
+        self.procs.start(fds)
+        self._keep_given()
+        started = getattr(self.ops, "loops_started", None)
+        if started is not None:
+            started(self.procs)
+        self._nursery.start_soon(self.procs.run)
+        return True
+
+    def _forwarded(self, data: memoryview, fd: int) -> None:
+        """A request a loop process read and left to us: answered on its descriptor."""
+        self.requests += 1
+        self._dispatch(data, fd)
 
     def _clone_loop(self, fd: int, index: int) -> None:
         buf = bytearray(abi.BUFFER_SIZE)

@@ -1,0 +1,199 @@
+"""Request loops as processes (``--fuse-loop-kind process``): the daemon's side.
+
+Each loop process (``loop_worker.py``) reads requests from its own clone of the session's
+descriptor and answers the opens of published backings, and their releases, by itself; the rest
+it sends here, as read, on its socket, and the session answers them on the loop's descriptor (the
+daemon keeps a copy of each). The loops read one shared table (``looptable.py``): which inode has
+which backing id, and how many files each loop opened and released on it.
+
+What the daemon promises the kernel (one backing per inode while any file of it is open; an id
+alive while an open may still be answered with it) holds across processes this way:
+
+- a backing id is published (``publish``) once registered, and stays registered while published;
+- to close one, it is first taken out of the table (``retract``), then closed only when every
+  loop has finished the request it was answering at that moment (``closable``: no loop still
+  answers an open with it) and the loops' files on it are all released. Until then the daemon
+  answers an open of that inode with the same id (``Backings``: a closing backing is reused);
+- a loop that exits (killed, crashed) counts as between requests; the kernel sends what it had
+  read again (FUSE_NOTIFY_RESEND).
+
+Loops run only where what they answer cannot change: an ``--immutable`` mount with passthrough
+and a kernel that can send requests again (Linux 6.9+). Elsewhere the session keeps thread loops.
+"""
+
+import errno
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from cachefs.fuse.looptable import LOOP_FH, LoopTable
+
+log = logging.getLogger("cachefs.fuse.session")
+
+_SOCKET_BUFFER = 4 << 20          # a forwarded request is one message (a WRITE can be 1 MiB)
+TICK = 0.25                       # seconds between checks of the backings waiting to close
+
+
+@dataclass(eq=False)
+class Loop:
+    index: int
+    fd: int                                   # its cloned /dev/fuse descriptor (ours is a copy)
+    sock: socket.socket
+    proc: subprocess.Popen
+    gone: bool = False
+
+
+@dataclass(slots=True)
+class Closing:
+    """A backing taken out of the table: closable once the loops have moved on and released it."""
+
+    slot: int
+    since: list[int] = field(default_factory=list)
+
+
+class LoopProcesses:
+    def __init__(self, dispatch: Callable[[memoryview, int], None], resend: Callable[[], None], *,
+                 count: int, nonce: int, slots: int = 81920) -> None:
+        self._dispatch = dispatch
+        self._resend = resend
+        self.table = LoopTable.create(loops=count, slots=slots, nonce=nonce)
+        self.loops: list[Loop] = []
+        self._free = list(range(slots - 1, -1, -1))
+        self._gone: set[int] = set()
+        self.ticks: list[Callable[[], None]] = []     # called every TICK (Backings.sweep)
+        self.forwarded = 0
+
+    # ---- the processes ---------------------------------------------------------------------------
+    def start(self, fds: list[int]) -> None:
+        """One loop process per descriptor in ``fds`` (clones of the session's)."""
+        for index, fd in enumerate(fds, start=1):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            for sock in (ours, theirs):
+                _big_buffers(sock)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cachefs.fuse.loop_worker", str(fd), str(theirs.fileno()),
+                 str(self.table.fd), str(index)],
+                pass_fds=(fd, theirs.fileno(), self.table.fd), stdin=subprocess.DEVNULL, close_fds=True)
+            theirs.close()
+            ours.setblocking(False)
+            self.loops.append(Loop(index, fd, ours, proc))
+        log.info("%d FUSE request loop process(es) on cloned descriptors (pids %s)", len(self.loops),
+                 " ".join(str(loop.proc.pid) for loop in self.loops))
+
+    async def run(self) -> None:
+        """Take what the loops send and tick the closing backings, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            for loop in self.loops:
+                nursery.start_soon(self._receive, loop)
+            while True:
+                await trio.sleep(TICK)
+                for tick in self.ticks:
+                    tick()
+
+    async def _receive(self, loop: Loop) -> None:
+        while True:
+            try:
+                data = loop.sock.recv(_SOCKET_BUFFER)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(loop.sock)
+                continue
+            except OSError as exc:
+                data = b""
+                log.warning("request loop %d: %s", loop.index, exc)
+            if not data:
+                self._lost(loop)
+                return
+            self.forwarded += 1
+            self._dispatch(memoryview(data), loop.fd)
+
+    def _lost(self, loop: Loop) -> None:
+        loop.gone = True
+        self._gone.add(loop.index)
+        status = loop.proc.poll()
+        if status is None:
+            return                            # we are stopping it
+        log.warning("FUSE request loop process %d (pid %d) exited (status %s): the kernel sends again what it "
+                    "had read", loop.index, loop.proc.pid, status)
+        self._resend()
+
+    def stop(self) -> None:
+        """Kill the loops (a hand-over, an unmount): what they had read is sent again to whoever
+        serves next."""
+        for loop in self.loops:
+            loop.gone = True
+            self._gone.add(loop.index)
+            if loop.proc.poll() is None:
+                loop.proc.send_signal(signal.SIGKILL)
+        for loop in self.loops:
+            try:
+                loop.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.warning("FUSE request loop pid %d did not exit", loop.proc.pid)
+            loop.sock.close()
+
+    def close(self) -> None:
+        self.stop()
+        self.loops.clear()
+        self.table.close()
+
+    # ---- the table (Backings) --------------------------------------------------------------------
+    def publish(self, inode: int, backing_id: int, slot: int = -1) -> int:
+        """Let the loops answer opens of ``inode`` with ``backing_id``: its slot (a new one unless
+        given), or -1 when it cannot be published (no slot free, an inode past the table)."""
+        if slot < 0:
+            if not self._free:
+                return -1
+            slot = self._free.pop()
+            self.table.reset(slot)
+        if not self.table.publish(inode, slot, backing_id):
+            self._free.append(slot)
+            return -1
+        return slot
+
+    def retract(self, inode: int, slot: int) -> Closing:
+        self.table.retract(inode)
+        return Closing(slot, self.table.positions())
+
+    def closable(self, closing: Closing) -> bool:
+        return self.table.passed(closing.since, self._gone) and self.table.open_files(closing.slot) == 0
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def released(self, fh: int) -> None:
+        """The session read the RELEASE of a loop's handle."""
+        self.table.released_here(fh)
+
+    def status(self) -> dict:
+        """Each loop's pid and what it answered; the files the loops' opens keep open now."""
+        opened = sum(sum(row) for row in self.table.opened)
+        released = sum(sum(row) for row in self.table.released)
+        return {"loops": [{"pid": loop.proc.pid, "running": not loop.gone, **self.table.stats(loop.index)}
+                          for loop in self.loops],
+                "open_files": (opened - released) & 0xFFFFFFFF, "forwarded": self.forwarded,
+                "published": self.table.slots - len(self._free)}
+
+
+def is_loop_handle(fh: int) -> bool:
+    return bool(fh & LOOP_FH)
+
+
+def _big_buffers(sock: socket.socket) -> None:
+    for force, plain in ((33, socket.SO_SNDBUF), (32, socket.SO_RCVBUF)):    # SO_SNDBUFFORCE, SO_RCVBUFFORCE
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, _SOCKET_BUFFER)
+        except OSError as exc:
+            if exc.errno != errno.EPERM:
+                raise
+            sock.setsockopt(socket.SOL_SOCKET, plain, _SOCKET_BUFFER)
+
+
+def new_nonce() -> int:
+    return int.from_bytes(os.urandom(2), "little") or 1

@@ -1,0 +1,118 @@
+"""A request-loop process: reads requests from a cloned ``/dev/fuse`` descriptor and answers what
+the loop table (``looptable.py``) lets it answer alone; everything else goes to the daemon.
+
+Answered here, with no Python of the daemon's and no GIL of its: the OPEN of an inode the daemon
+published a backing id for (opened for reading), the RELEASE of a handle a loop gave out, and an
+ioctl on one (ENOTTY: CPython's ``open`` asks ``isatty`` of every file). Anything else is sent,
+as read, to the daemon on this loop's socket; the daemon answers it on this loop's descriptor
+(its own copy). A loop dies with its daemon (``PR_SET_PDEATHSIG``); the requests it had read are
+sent again by the kernel to the daemon that takes the mount over (FUSE_NOTIFY_RESEND).
+
+Run by the daemon as ``python -m cachefs.fuse.loop_worker FUSE_FD SOCKET_FD TABLE_FD LOOP``.
+"""
+
+import ctypes
+import errno
+import os
+import signal
+import socket
+import struct
+import sys
+
+from cachefs.fuse import abi
+from cachefs.fuse.looptable import LOOP_FH, LoopTable
+
+_PR_SET_PDEATHSIG = 1
+_OPEN_REFUSED = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+_OPEN_ANSWER = abi.OUT_HEADER.size + abi.OPEN_OUT.size
+_HEAD = struct.Struct("<IIQQ")           # len, opcode, unique, nodeid: what a loop reads of a request
+_OPEN_FLAGS = struct.Struct("<I")
+_FH = struct.Struct("<Q")
+
+
+def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int:
+    buf = bytearray(abi.BUFFER_SIZE)
+    view = memoryview(buf)
+    seq, row = table.seq, loop * 8
+    inode, opened, released = table.inode, table.opened[loop], table.released[loop]
+    inodes, nonce = table.inodes, table.nonce & 0xFFFF
+    mine = LOOP_FH | nonce << 32
+    head, open_flags, fh_at = _HEAD.unpack_from, _OPEN_FLAGS.unpack_from, _FH.unpack_from
+    pack_out, pack_open = abi.OUT_HEADER.pack, abi.OPEN_OUT.pack
+    passthrough = abi.FOPEN_PASSTHROUGH
+    body = abi.IN_HEADER.size
+    readv, writev, send = os.readv, os.writev, sock.send
+    OPEN, RELEASE, IOCTL = abi.OPEN, abi.RELEASE, abi.IOCTL
+    opens = releases = ioctls = forwarded = 0
+    while True:
+        try:
+            length = readv(fuse_fd, [view])
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
+                continue              # a request interrupted before it was read
+            return 0                  # ENODEV: unmounted
+        seq[row] += 1                 # odd: answering
+        _len, opcode, unique, nodeid = head(view)
+        answered = False
+        try:
+            if opcode == OPEN:
+                entry = inode[nodeid] if nodeid < inodes else 0
+                if entry and not open_flags(view, body)[0] & _OPEN_REFUSED:
+                    slot = (entry >> 32) - 1
+                    opened[slot] = (opened[slot] + 1) & 0xFFFFFFFF      # counted before the kernel can release
+                    writev(fuse_fd, [pack_out(_OPEN_ANSWER, 0, unique),
+                                     pack_open(mine | slot, passthrough, entry & 0xFFFFFFFF)])
+                    opens += 1
+                    answered = True
+            elif opcode == RELEASE:
+                fh = fh_at(view, body)[0]
+                if fh & LOOP_FH:
+                    if (fh >> 32) & 0xFFFF == nonce and (fh & 0xFFFFFFFF) < len(released):
+                        slot = fh & 0xFFFFFFFF
+                        released[slot] = (released[slot] + 1) & 0xFFFFFFFF
+                    writev(fuse_fd, [pack_out(abi.OUT_HEADER.size, 0, unique)])
+                    releases += 1
+                    answered = True
+            elif opcode == IOCTL and fh_at(view, body)[0] & LOOP_FH:
+                writev(fuse_fd, [pack_out(abi.OUT_HEADER.size, -errno.ENOTTY, unique)])
+                ioctls += 1
+                answered = True
+            if not answered:
+                send(view[:length])
+                forwarded += 1
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENODEV, errno.ECONNABORTED):
+                pass                  # interrupted or aborted meanwhile: nobody waits for the answer
+            elif not answered and exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                return 1              # the daemon is gone: the next one has the kernel send it again
+            elif not answered and exc.errno == errno.EMSGSIZE:      # larger than the socket takes
+                try:
+                    writev(fuse_fd, [pack_out(abi.OUT_HEADER.size, -errno.EIO, unique)])
+                except OSError:
+                    pass
+            else:
+                print(f"cachefs loop {loop}: {exc}", file=sys.stderr)
+        seq[row + 1], seq[row + 2], seq[row + 3], seq[row + 4] = opens, releases, ioctls, forwarded
+        seq[row] += 1                 # even: between requests
+
+
+def main(argv: list[str]) -> int:
+    fuse_fd, sock_fd, table_fd, loop = (int(a) for a in argv[:4])
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent or parent == 1:
+        return 1                      # the daemon died before the death signal was set
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the daemon ends its loops; a Ctrl-C is for it
+    os.set_blocking(fuse_fd, True)
+    sock = socket.socket(fileno=sock_fd)
+    table = LoopTable.attach(table_fd)
+    if not 1 <= loop <= table.loops:
+        return 2
+    return serve(fuse_fd, sock, table, loop)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,147 @@
+"""The table request-loop processes answer from: which inodes have a published backing id, and
+what each loop has opened and released on it.
+
+A loop process (``loop_worker.py``) reads requests from a cloned ``/dev/fuse`` descriptor and
+answers the OPEN of an inode whose backing id the daemon published here, and the RELEASE of what
+such an open returned, by itself; every other request goes to the daemon. The table is one
+shared memory file (``memfd``) the daemon creates and each loop maps:
+
+- ``inode[n]``: 0, or ``(slot + 1) << 32 | backing_id``: the backing every open of inode ``n``
+  must be answered with (the kernel allows one per inode while any file of it is open). Written
+  by the daemon only, one aligned 8-byte word at a time (a loop never sees half of one);
+- ``opened[loop][slot]``, ``released[loop][slot]``: 32-bit counters, each row written by one
+  loop only (row 0: the daemon, for the releases it reads itself). The files the loops hold open
+  on a slot's backing are the sum of ``opened`` less the sum of ``released``;
+- ``seq[loop]``: odd while the loop answers a request, even between requests. A backing the daemon
+  takes out of ``inode`` is closed only after every loop has been even, or moved on, since (so no
+  loop still answers an open with it) and its open count is zero.
+
+Handles a loop gives out carry ``LOOP_FH``, the daemon's nonce and the slot, so any loop (or the
+daemon) can count their RELEASE, and a handle of an earlier daemon of the mount (another nonce)
+is answered without being counted.
+
+Only this module's constants and the ``LoopTable`` view are shared with the loop processes; they
+import nothing else of cachefs.
+"""
+
+import mmap
+import os
+
+MAGIC = 0x63_66_73_6C_6F_6F_70_31        # "cfsloop1"
+LOOP_FH = 1 << 63                         # the bit of a handle a loop process gave out
+HEADER = 4096
+SEQ_STRIDE = 64                           # one cache line per loop: seq, then its counters
+STATS = ("opens", "releases", "ioctls", "forwarded")
+
+
+class LoopTable:
+    """A view of the shared table (``fd``: its memfd). ``create`` makes one; a loop maps it."""
+
+    def __init__(self, fd: int, *, inodes: int, slots: int, loops: int) -> None:
+        self.fd = fd
+        self.inodes, self.slots, self.loops = inodes, slots, loops
+        rows = loops + 1
+        self._seq_at = HEADER
+        self._counts_at = HEADER + rows * SEQ_STRIDE
+        self._counts_at += -self._counts_at % 8
+        self._inode_at = self._counts_at + 2 * rows * slots * 4
+        self._inode_at += -self._inode_at % 4096
+        self.size = self._inode_at + inodes * 8
+        self.map = mmap.mmap(fd, self.size)
+        self._words = memoryview(self.map).cast("Q")
+        self.header = self._words[:HEADER // 8]
+        self.seq = self._words[self._seq_at // 8:self._counts_at // 8]     # [row * 8]: seq, [row * 8 + 1..]: stats
+        self._counts = memoryview(self.map)[self._counts_at:self._inode_at].cast("I")
+        self.opened = [self._counts[r * slots:(r + 1) * slots] for r in range(rows)]
+        self.released = [self._counts[(rows + r) * slots:(rows + r + 1) * slots] for r in range(rows)]
+        self.inode = self._words[self._inode_at // 8:]
+
+    @classmethod
+    def create(cls, *, inodes: int = 1 << 24, slots: int = 81920, loops: int = 1, nonce: int = 0) -> "LoopTable":
+        """A new table in a memfd (sparse: an inode's page is backed once one near it is published)."""
+        fd = os.memfd_create("cachefs-loops", os.MFD_CLOEXEC)
+        os.ftruncate(fd, cls._size(inodes=inodes, slots=slots, loops=loops))
+        table = cls(fd, inodes=inodes, slots=slots, loops=loops)
+        table.header[0], table.header[1], table.header[2], table.header[3], table.header[4] = (
+            MAGIC, nonce, loops, inodes, slots)
+        return table
+
+    @classmethod
+    def attach(cls, fd: int) -> "LoopTable":
+        """Map the table of ``fd`` (a loop process): its shape is in its header."""
+        head = mmap.mmap(fd, HEADER, prot=mmap.PROT_READ)
+        magic, _nonce, loops, inodes, slots = memoryview(head).cast("Q")[:5]
+        head.close()
+        if magic != MAGIC:
+            raise ValueError("not a cachefs loop table")
+        return cls(fd, inodes=inodes, slots=slots, loops=loops)
+
+    @staticmethod
+    def _size(*, inodes: int, slots: int, loops: int) -> int:
+        rows = loops + 1
+        at = HEADER + rows * SEQ_STRIDE
+        at += -at % 8
+        at += 2 * rows * slots * 4
+        at += -at % 4096
+        return at + inodes * 8
+
+    @property
+    def nonce(self) -> int:
+        return self.header[1]
+
+    # ---- the daemon's side -------------------------------------------------------------------------
+    def publish(self, inode: int, slot: int, backing_id: int) -> bool:
+        """Loops may answer opens of ``inode`` with ``backing_id`` (counted on ``slot``)."""
+        if not 0 < inode < self.inodes:
+            return False
+        self.inode[inode] = (slot + 1) << 32 | backing_id
+        return True
+
+    def retract(self, inode: int) -> None:
+        if 0 < inode < self.inodes:
+            self.inode[inode] = 0
+
+    def open_files(self, slot: int) -> int:
+        """Files the loops opened on ``slot`` and the kernel has not released (any loop's count)."""
+        opened = sum(row[slot] for row in self.opened)
+        released = sum(row[slot] for row in self.released)
+        return (opened - released) & 0xFFFFFFFF
+
+    def reset(self, slot: int) -> None:
+        """``slot`` holds a new backing: its counts start again (no loop counts on it now)."""
+        for row in self.opened:
+            row[slot] = 0
+        for row in self.released:
+            row[slot] = 0
+
+    def positions(self) -> list[int]:
+        return [self.seq[r * 8] for r in range(1, self.loops + 1)]
+
+    def passed(self, since: list[int], gone: set[int]) -> bool:
+        """Whether every loop has been between requests since ``positions()`` gave ``since``
+        (a loop in ``gone``, exited, counts as between requests)."""
+        for i, then in enumerate(since, start=1):
+            if i in gone or not then & 1:
+                continue
+            if self.seq[i * 8] == then:
+                return False
+        return True
+
+    def released_here(self, fh: int) -> None:
+        """The daemon read the RELEASE of a loop's handle ``fh`` (its own row, 0)."""
+        if (fh >> 32) & 0xFFFF == self.nonce & 0xFFFF:
+            slot = fh & 0xFFFFFFFF
+            if slot < self.slots:
+                self.released[0][slot] = (self.released[0][slot] + 1) & 0xFFFFFFFF
+
+    def stats(self, loop: int) -> dict[str, int]:
+        return {name: self.seq[loop * 8 + 1 + i] for i, name in enumerate(STATS)}
+
+    def close(self) -> None:
+        for view in (*self.opened, *self.released, self.header, self.seq, self.inode, self._counts, self._words):
+            view.release()
+        try:
+            self.map.close()
+        except BufferError:             # a view still held somewhere: the mapping goes with the process
+            pass
+        os.close(self.fd)

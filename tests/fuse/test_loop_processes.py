@@ -1,0 +1,234 @@
+"""Request loops as processes (``--fuse-loop-kind process``), on real mounts: the loops answer the
+opens of handed-over files, their releases and CPython's isatty ioctl by themselves, with right
+bytes and nothing left open; a loop SIGKILLed under readers, or the daemon SIGKILLed under its
+keeper, costs the readers nothing; a backing a loop still has files open on is never closed
+(the protocol checked step by step on the shared table, and under eviction churn on a mount)."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mounts import put_tree
+
+from cachefs.fuse.backing import Backings
+from cachefs.fuse.loop_procs import LoopProcesses
+from cachefs.tiers.handover import ExactFile
+from testing.s3 import s3_client
+
+pytestmark = pytest.mark.fuse
+
+FILES = {f"c{i % 4}/f{i:03d}.jpg": random.Random(i).randbytes(2000 + 1531 * i) for i in range(48)}
+LOOPS = ("--immutable", "--fuse-loops", "2", "--fuse-loop-kind", "process")
+
+# A reader: opens each file with CPython's buffered open (an isatty ioctl per open), checks its
+# digest, for ROUNDS rounds or until STOP exists; writes its tally.
+READER = r"""
+import hashlib, json, os, random, sys, time
+root, expected, rounds, out, stop = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+ok = wrong = 0; errors = []; names = sorted(expected); rng = random.Random(out); n = 0
+while n < rounds and not os.path.exists(stop):
+    rng.shuffle(names); n += 1
+    for name in names:
+        try:
+            with open(os.path.join(root, name), "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            errors.append(f"{name}: {exc}"); continue
+        if hashlib.sha256(data).hexdigest() == expected[name]:
+            ok += 1
+        else:
+            wrong += 1
+json.dump({"ok": ok, "wrong": wrong, "errors": errors[:5], "error_count": len(errors), "rounds": n}, open(out, "w"))
+"""
+
+
+@pytest.fixture
+def dataset(s3_server, bucket):
+    put_tree(s3_client(s3_server.endpoint_url), bucket, "ds", FILES)
+    return f"s3://{bucket}/ds", ("--endpoint-url", s3_server.endpoint_url)
+
+
+def start_readers(root: Path, tmp_path: Path, count: int, rounds: int) -> list[tuple[subprocess.Popen, Path]]:
+    expected = json.dumps({name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()})
+    readers = []
+    for i in range(count):
+        out = tmp_path / f"reader-{i}.json"
+        proc = subprocess.Popen([sys.executable, "-c", READER, str(root), expected, str(rounds), str(out),
+                                 str(tmp_path / "stop")])
+        readers.append((proc, out))
+    return readers
+
+
+def finish(readers: list[tuple[subprocess.Popen, Path]], timeout: float = 120) -> list[dict]:
+    tallies = []
+    for proc, out in readers:
+        assert proc.wait(timeout=timeout) == 0
+        tallies.append(json.loads(out.read_text()))
+    return tallies
+
+
+def loop_status(mnt) -> dict:
+    status = mnt.status()["fuse"]["loop_processes"]
+    assert status is not None, mnt.status()["fuse"]
+    return status
+
+
+def warmed(mount_factory, dataset, *extra):
+    """A mount with loop processes over a cache already holding every file (a second daemon: its
+    first opens hand sealed files over)."""
+    url, args = dataset
+    mnt = mount_factory(url, *args, *LOOPS, *extra).start()
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    mnt.umount()
+    return mnt.start()
+
+
+def test_loop_processes_answer_opens_releases_and_isatty_of_handed_over_files(dataset, mount_factory, tmp_path):
+    mnt = warmed(mount_factory, dataset)
+    status = loop_status(mnt)
+    assert [loop["running"] for loop in status["loops"]] == [True, True], status
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES        # the daemon hands each over
+    tallies = finish(start_readers(mnt.path, tmp_path, 4, 5))
+    assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] == 5 * len(FILES) for t in tallies), tallies
+    status = loop_status(mnt)
+    answered = sum(loop["opens"] for loop in status["loops"])
+    assert answered > len(FILES), status                    # the loops answered opens themselves
+    assert sum(loop["ioctls"] for loop in status["loops"]) > 0, status     # CPython's isatty, on their handles
+    assert status["open_files"] == 0, status                # every open they answered was released
+    fuse = mnt.status()["fuse"]
+    # every open reached the daemon or a loop; READ never did (the kernel reads the cache files)
+    assert fuse["by_opcode"].get("read", 0) == 0, fuse
+    assert fuse["by_opcode"]["open"] + answered >= 21 * len(FILES), fuse
+    assert status["forwarded"] >= sum(loop["forwarded"] for loop in status["loops"]) - 2, status
+
+
+def test_a_loop_process_killed_under_readers_costs_them_nothing(dataset, mount_factory, tmp_path):
+    mnt = warmed(mount_factory, dataset)
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    readers = start_readers(mnt.path, tmp_path, 4, 10_000)
+    time.sleep(1.0)
+    victim = loop_status(mnt)["loops"][0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(1.5)
+    (tmp_path / "stop").touch()
+    tallies = finish(readers)
+    assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] > 0 for t in tallies), tallies
+    status = loop_status(mnt)
+    assert [loop["running"] for loop in status["loops"]] == [False, True], status
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    assert "exited" in (mnt.cache_dir / "cachefs.log").read_text()
+
+
+def test_the_daemon_killed_under_its_keeper_takes_its_loops_with_it_and_readers_read_on(dataset, mount_factory,
+                                                                                         tmp_path):
+    mnt = warmed(mount_factory, dataset)
+    old = [loop["pid"] for loop in loop_status(mnt)["loops"]]
+    readers = start_readers(mnt.path, tmp_path, 3, 10_000)
+    time.sleep(1.0)
+    mnt.kill_daemon()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in old) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in old), "a loop process outlived its daemon"
+    time.sleep(1.5)
+    (tmp_path / "stop").touch()
+    tallies = finish(readers)
+    assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] > 0 for t in tallies), tallies
+    status = loop_status(mnt)
+    assert [loop["running"] for loop in status["loops"]] == [True, True], status
+    assert not {loop["pid"] for loop in status["loops"]} & set(old)
+
+
+def test_eviction_churn_under_loop_processes_never_fails_an_open(dataset, mount_factory, tmp_path):
+    """Idle backings bounded to a quarter of a 256 KiB tier: they are closed and registered
+    again all the time while four readers open the files through the loops."""
+    mnt = warmed(mount_factory, dataset, "--cache-size", "2M", "--free-space-ratio", "0")
+    tallies = finish(start_readers(mnt.path, tmp_path, 4, 6))
+    assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] == 6 * len(FILES) for t in tallies), tallies
+    assert loop_status(mnt)["open_files"] == 0
+    assert "ERROR" not in (mnt.cache_dir / "cachefs.log").read_text()
+
+
+# ---- the protocol on the shared table, step by step (no kernel: a loop played here) --------------
+class Played:
+    """Loop 1 of ``loops``'s table, answering opens and releases as loop_worker.py does."""
+
+    def __init__(self, loops: LoopProcesses) -> None:
+        self.table, self.row = loops.table, 8
+
+    def begin(self) -> None:
+        self.table.seq[self.row] += 1
+
+    def end(self) -> None:
+        self.table.seq[self.row] += 1
+
+    def open(self, inode: int) -> int | None:
+        """The backing id a loop answers an open of ``inode`` with (None: sent to the daemon)."""
+        entry = self.table.inode[inode]
+        if not entry:
+            return None
+        slot = (entry >> 32) - 1
+        self.table.opened[1][slot] += 1
+        self.fh_slot = slot
+        return entry & 0xFFFFFFFF
+
+    def release(self, slot: int) -> None:
+        self.table.released[1][slot] += 1
+
+
+def idle(backings: Backings, inode: int, backing_id: int, fh: int) -> None:
+    """The daemon's open of ``inode`` registers ``backing_id``; its file is closed: idle."""
+    backings.add(inode, backing_id, ExactFile(fd=-1, key=None, size=1000))
+    backings.bind(fh, inode)
+    backings.unbind(fh)
+
+
+def test_a_backing_is_closed_only_after_every_loop_let_go_of_it():
+    closed = []
+    loops = LoopProcesses(lambda data, fd: None, lambda: None, count=1, nonce=7, slots=8)
+    backings = Backings(closed.append, max_idle=1)
+    try:
+        backings.attach(loops)
+        idle(backings, 10, 101, fh=1)
+        loop = Played(loops)
+        loop.begin()
+        assert loop.open(10) == 101                  # a loop answers an open of 10 with its backing
+        slot = loop.fh_slot
+        loop.end()
+        loop.release(slot)                           # (that file closed again: none open on it now)
+        loop.begin()                                 # the loop reads another open of 10, slow to answer
+        entry = loops.table.inode[10]
+        idle(backings, 11, 111, fh=2)                # past max_idle: 10, the oldest idle, is to close
+        assert loops.table.inode[10] == 0 and closed == [] and 10 in backings.by_inode
+        backings.sweep()
+        assert closed == []                          # that loop was answering when it was taken out
+        assert entry >> 32 == slot + 1               # it read the entry before: it answers with it
+        loops.table.opened[1][slot] += 1
+        loop.end()
+        backings.sweep()
+        assert closed == []                          # its file is open on it
+        loop.release(slot)
+        backings.sweep()
+        assert [b.id for b in closed] == [101] and 10 not in backings.by_inode
+        assert loops.status()["published"] == 1      # 11's slot only: 10's is free again
+
+        loop.begin()
+        assert loop.open(11) == 111                  # a loop's file on 11...
+        slot11 = loop.fh_slot
+        loop.end()
+        idle(backings, 12, 121, fh=3)                # ... 11 is to close...
+        assert loops.table.inode[11] == 0
+        assert backings.reuse(11) == 111             # ... the daemon opens 11 meanwhile: the same id,
+        assert loops.table.inode[11] >> 32 == slot11 + 1     # published again on its slot
+        loop.release(slot11)
+        backings.sweep()
+        assert [b.id for b in closed] == [101] and backings.by_inode[11].closing is None
+    finally:
+        loops.close()
