@@ -69,6 +69,17 @@ class LoopProcesses:
         self._gone: set[int] = set()
         self.ticks: list[Callable[[], None]] = []     # called every TICK (Backings.sweep)
         self.forwarded = 0
+        self.unmounted = False                    # a loop found the connection gone
+        self._changed = trio.Event()              # set when a loop exits
+
+    @property
+    def reading(self) -> bool:
+        """Some loop still reads requests (else the session's own loop reads them)."""
+        return any(not loop.gone for loop in self.loops)
+
+    async def changed(self) -> None:
+        """Until a loop exits."""
+        await self._changed.wait()
 
     # ---- the processes ---------------------------------------------------------------------------
     def start(self, fds: list[int]) -> None:
@@ -114,14 +125,23 @@ class LoopProcesses:
             self._dispatch(memoryview(data), loop.fd)
 
     def _lost(self, loop: Loop) -> None:
+        if loop.gone:
+            return                            # we stopped it
         loop.gone = True
         self._gone.add(loop.index)
-        status = loop.proc.poll()
-        if status is None:
-            return                            # we are stopping it
-        log.warning("FUSE request loop process %d (pid %d) exited (status %s): the kernel sends again what it "
-                    "had read", loop.index, loop.proc.pid, status)
-        self._resend()
+        try:
+            status = loop.proc.wait(timeout=2)     # its socket closed: it is exiting
+        except subprocess.TimeoutExpired:
+            status = None
+        if status == 0:
+            self.unmounted = True             # it read ENODEV: the connection is gone
+        else:
+            log.warning("FUSE request loop process %d (pid %d) exited (status %s): the kernel sends again what "
+                        "it had read%s", loop.index, loop.proc.pid, status,
+                        "" if self.reading else "; the daemon reads every request itself from now on")
+            self._resend()
+        self._changed.set()
+        self._changed = trio.Event()
 
     def stop(self) -> None:
         """Kill the loops (a hand-over, an unmount): what they had read is sent again to whoever

@@ -52,7 +52,10 @@ def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.EINTR, errno.EAGAIN):
                 continue              # a request interrupted before it was read
-            return 0                  # ENODEV: unmounted
+            if exc.errno == errno.ENODEV:
+                return 0              # unmounted: the one clean end
+            print(f"cachefs loop {loop}: reading requests: {exc}", file=sys.stderr)
+            return 3
         seq[row] += 1                 # odd: answering
         _len, opcode, unique, nodeid = head(view)
         answered = False

@@ -150,6 +150,7 @@ class Session(Opcodes):
         self._adopted = False
         self._given_clones: list[int] = []
         self._reading: trio.CancelScope | None = None
+        self._waiting: trio.CancelScope | None = None       # the request loop's wait for the descriptor
         self._in_hand = 0             # requests being answered by tasks
         self.inflight: InflightLog | None = None     # kept while the kernel cannot resend
         self.cloned = cloned if cloned is not None else Port("cloned")   # each new clone (the keeper holds it too)
@@ -328,6 +329,8 @@ class Session(Opcodes):
         if started is not None:
             started(self.procs)
         self._nursery.start_soon(self.procs.run)
+        if self._waiting is not None:
+            self._waiting.cancel()              # the request loop stops reading (see _loop)
         return True
 
     def _forwarded(self, data: memoryview, fd: int) -> None:
@@ -372,7 +375,15 @@ class Session(Opcodes):
                 length = os.readv(self.fd, [into])
             except BlockingIOError:
                 burst = 0
-                await trio.lowlevel.wait_readable(self.fd)
+                if self.procs is not None and self.procs.reading:
+                    # the loop processes read every request (a reader here too would be woken for
+                    # each one and mostly find it taken); read again only once none is left
+                    await self.procs.changed()
+                    if self.procs.unmounted:
+                        return
+                    continue
+                with trio.CancelScope() as self._waiting:
+                    await trio.lowlevel.wait_readable(self.fd)
                 continue
             except OSError as exc:
                 if exc.errno == errno.ENODEV:         # unmounted: the session is over
