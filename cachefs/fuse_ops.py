@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily
 
 from cachefs.control.protocol import CONTROL_NAME, IOCTL_RECEIVE, IOCTL_SEND
 from cachefs.control.server import Control
@@ -116,6 +117,31 @@ class FuseMetrics:
                                          ("cachefs_fuse_operation_seconds", "FUSE operation latency"))
         self.fuse_errors = Counter("cachefs_fuse_errors", "FUSE operations that failed", ["op", "errno"],
                                    registry=r)
+        self.loop_requests = LoopRequests(r)
+
+
+class LoopRequests:
+    """What the request loop processes (``--fuse-loop-kind process``) did with the requests they
+    read, from their shared table at scrape time: answered there (open, release, ioctl) or sent to
+    the daemon (forwarded). Opens answered there are passthrough opens the daemon never sees."""
+
+    _name, _help = "cachefs_fuse_loop_requests", "Requests the FUSE loop processes read, by what became of them"
+    _labelnames = ("answer",)
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.source = None            # the loops (cachefs/fuse/loop_procs.py) once they run
+        registry.register(self)
+
+    def describe(self):
+        return [CounterMetricFamily(self._name, self._help, labels=["answer"])]
+
+    def collect(self):
+        family = CounterMetricFamily(self._name, self._help, labels=["answer"])
+        totals = self.source.totals() if self.source is not None else {}
+        for answer, kind in (("open", "opens"), ("release", "releases"), ("ioctl", "ioctls"),
+                             ("forwarded", "forwarded")):
+            family.add_metric([answer], totals.get(kind, 0))
+        return [family]
 
 
 class Operations:
@@ -287,6 +313,7 @@ class Operations:
         """Request loop processes run (cachefs/fuse/loop_procs.py): they answer the opens of every
         inode with a backing by themselves from now on."""
         self.backings.attach(loops)
+        self.metrics.loop_requests.source = loops
 
     def restore_backings(self, backings: dict[int, int]) -> None:
         """Backing ids a previous daemon of this mount registered (inode -> id)."""

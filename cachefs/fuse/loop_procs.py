@@ -191,6 +191,14 @@ class LoopProcesses:
         """The session read the RELEASE of a loop's handle."""
         self.table.released_here(fh)
 
+    def totals(self) -> dict[str, int]:
+        """What every loop answered and forwarded, summed (the metrics)."""
+        totals: dict[str, int] = {}
+        for loop in self.loops:
+            for name, value in self.table.stats(loop.index).items():
+                totals[name] = totals.get(name, 0) + value
+        return totals
+
     def status(self) -> dict:
         """Each loop's pid and what it answered; the files the loops' opens keep open now."""
         opened = sum(sum(row) for row in self.table.opened)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from mounts import put_tree
 from cachefs.fuse.backing import Backings
 from cachefs.fuse.loop_procs import LoopProcesses
 from cachefs.tiers.handover import ExactFile
-from testing.s3 import s3_client
+from testing.s3 import free_port, s3_client
 
 pytestmark = pytest.mark.fuse
 
@@ -91,7 +92,8 @@ def warmed(mount_factory, dataset, *extra):
 
 
 def test_loop_processes_answer_opens_releases_and_isatty_of_handed_over_files(dataset, mount_factory, tmp_path):
-    mnt = warmed(mount_factory, dataset)
+    port = free_port()
+    mnt = warmed(mount_factory, dataset, "--metrics-port", str(port))
     status = loop_status(mnt)
     assert [loop["running"] for loop in status["loops"]] == [True, True], status
     assert {name: (mnt / name).read_bytes() for name in FILES} == FILES        # the daemon hands each over
@@ -107,6 +109,12 @@ def test_loop_processes_answer_opens_releases_and_isatty_of_handed_over_files(da
     assert fuse["by_opcode"].get("read", 0) == 0, fuse
     assert fuse["by_opcode"]["open"] + answered >= 21 * len(FILES), fuse
     assert status["forwarded"] >= sum(loop["forwarded"] for loop in status["loops"]) - 2, status
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    exported = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("cachefs_fuse_loop_requests_total{")}
+    status = loop_status(mnt)
+    assert exported["open"] == sum(loop["opens"] for loop in status["loops"]) == answered, (exported, status)
+    assert exported["release"] == sum(loop["releases"] for loop in status["loops"])
 
 
 def test_loop_processes_killed_under_readers_cost_them_nothing(dataset, mount_factory, tmp_path):
