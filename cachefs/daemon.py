@@ -99,8 +99,9 @@ class Daemon:
         barrier = Port("barrier")           # Writeback -> Vfs's listing snapshot (rows durable first)
         listed = Port("listed")             # Catalog -> Vfs (a listing taken: lay the staged changes over it)
         versioned = Port("versioned")       # Catalog -> Vfs (a warmup saw a newer version of a file)
+        corrupted = Port("corrupted")       # Tiers' scrub -> Operations (a handed-over cache file is corrupt)
         self.tiers = Tiers.from_config(cfg, store, self.memory, self.disk, metrics, packed=packed is not None,
-                                       first_read=first_read, fetched=fetched)
+                                       first_read=first_read, fetched=fetched, corrupted=corrupted)
         # a packed dataset (cachefs pack): its index is the listing; read-only, immutable while mounted
         self.packed = (PackedView(store, *packed, self.tiers, metrics, fetched=fetched, shard_read=shard_read)
                        if packed is not None else None)
@@ -136,6 +137,7 @@ class Daemon:
         self.lister = (ListAhead(self.catalog, store, cfg.list_ahead)      # folders listed at mount
                        if cfg.list_ahead and self.packed is None else None)
         self.ops = Operations.from_config(cfg, self.vfs, self.control, metrics, self.fuse.kernel, immutable=immutable)
+        corrupted.connect(self.ops.cache_file_corrupt)
         if link is not None:
             metrics.takeovers.set(link.go.get("generation", 0))
         if link is not None and link.takeover:

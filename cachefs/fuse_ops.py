@@ -243,7 +243,7 @@ class Operations:
         if reused:
             return reused
         node = self.vfs.node(inode)
-        if node.opens or node.restored:
+        if node.opens or node.restored or self.backings.blocked(inode):
             # other handles read through us (of this daemon, or maybe of a previous one)
             self.served.passthrough_fallbacks.labels("busy").inc()
             return 0
@@ -253,7 +253,8 @@ class Operations:
         version = self._handover_version(inode, flags, wait=True)
         if version is None:
             return 0
-        if not self.backings.reuse(inode) and self.vfs.node(inode).opens == 0 and not self.vfs.node(inode).restored:
+        if (not self.backings.reuse(inode) and self.vfs.node(inode).opens == 0 and not self.vfs.node(inode).restored
+                and not self.backings.blocked(inode)):
             exact = await self.vfs.blocks.exact_file(version)
             reused = self.backings.reuse(inode)          # another open may have handed it over meanwhile
             if reused or self.vfs.node(inode).opens:
@@ -308,6 +309,13 @@ class Operations:
         self.vfs.ids_log_backing(backing.inode, None)
         if backing.exact is not None:
             self.vfs.blocks.release_exact(backing.exact)
+
+    def cache_file_corrupt(self, digest: str) -> None:
+        """The scrub found the cache file ``digest`` corrupt (tiers/handover.py): its backing is
+        handed out no more (fuse/backing.py, ``corrupt``)."""
+        if self.backings.corrupt(digest):
+            log.warning("a handed-over cache file (%s) failed its scrub: its backing answers no more opens; the "
+                        "object is fetched again", digest[:16])
 
     def loops_started(self, loops) -> None:
         """Request loop processes run (cachefs/fuse/loop_procs.py): they answer the opens of every

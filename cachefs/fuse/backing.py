@@ -37,6 +37,7 @@ class Backing:
     inode: int = 0
     slot: int = -1                # its slot in the loop processes' table (-1: not published)
     closing: object = None        # taken out of the loops' table, to close once they let go (Closing)
+    stale: bool = False           # its cache file was found corrupt: never answers another open
 
     @property
     def size(self) -> int:
@@ -72,7 +73,7 @@ class Backings:
     def reuse(self, inode: int) -> int:
         """The backing id of ``inode`` with one more open, or 0 if it has none."""
         backing = self.by_inode.get(inode)
-        if backing is None:
+        if backing is None or backing.stale:
             return 0
         if backing.closing is not None:            # still registered: the loops may answer opens again
             backing.closing = None
@@ -103,11 +104,38 @@ class Backings:
         if backing is None:
             return
         backing.opens -= 1
-        if backing.opens == 0 and backing.exact is not None:
+        if backing.opens == 0 and backing.stale:
+            self._idle[inode] = backing         # closed at once (once the loops let go)
+            self._idle_bytes += backing.size
+            self._drop(inode)
+        elif backing.opens == 0 and backing.exact is not None:
             self._idle[inode] = backing
             self._idle_bytes += backing.size
             while self._idle and (len(self._idle) > self.max_idle or self._idle_bytes > self.max_idle_bytes):
                 self._drop(next(iter(self._idle)))
+
+    def blocked(self, inode: int) -> bool:
+        """``inode`` has a backing no open may use (stale) that the kernel may still read through:
+        no other backing can be registered for it yet."""
+        backing = self.by_inode.get(inode)
+        return backing is not None and backing.stale
+
+    def corrupt(self, digest: str) -> int:
+        """The cache file ``digest`` was found corrupt: its backings answer no more opens (new ones
+        go the usual way, which fetches the object again) and close once nothing reads them; files
+        already open keep reading what they read. The number of backings so marked."""
+        marked = 0
+        for inode, backing in list(self.by_inode.items()):
+            if backing.exact is None or backing.stale or backing.exact.key.digest() != digest:
+                continue
+            backing.stale = True
+            marked += 1
+            if inode in self._idle:
+                self._drop(inode)
+            elif backing.slot >= 0 and backing.closing is None:
+                backing.closing = self._loops.retract(inode, backing.slot)    # the loops stop answering with it
+                self._closing[inode] = backing
+        return marked
 
     def forget(self, inode: int) -> None:
         """The kernel forgot ``inode``: its idle (or restored) backing is closed (no file of the
@@ -134,7 +162,7 @@ class Backings:
     def sweep(self) -> None:
         """Close the backings the loops have let go of (``loop_procs``: ``closable``)."""
         for inode, backing in list(self._closing.items()):
-            if self._loops.closable(backing.closing):
+            if backing.opens <= 0 and self._loops.closable(backing.closing):
                 del self._closing[inode]
                 del self.by_inode[inode]
                 self._loops.free(backing.slot)

@@ -79,7 +79,8 @@ class BlockState(NamedTuple):
 class Tiers:
     @classmethod
     def from_config(cls, cfg, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
-                    packed: bool, first_read: Port | None = None, fetched: Port | None = None) -> "Tiers":
+                    packed: bool, first_read: Port | None = None, fetched: Port | None = None,
+                    corrupted: Port | None = None) -> "Tiers":
         """The tiers of a mount (``cfg``: its MountConfig; ``packed``: a packed dataset's mount,
         whose blocks default to the packer's part size). ``max_prefetches`` keeps the option's
         old name; it bounds readahead GETs."""
@@ -87,12 +88,13 @@ class Tiers:
         return cls(store, memory, disk, metrics, block_size=cfg.block_size_for(packed),
                    readahead_size=cfg.readahead_size, max_fetches=cfg.max_fetches,
                    max_readaheads=cfg.max_prefetches, hedger=Hedger(policy, metrics),
-                   readahead_at_lookup=cfg.readahead_at_lookup, first_read=first_read, fetched=fetched)
+                   readahead_at_lookup=cfg.readahead_at_lookup, first_read=first_read, fetched=fetched,
+                   corrupted=corrupted)
 
     def __init__(self, store: ObjectStore, memory: MemoryTier, disk: DiskTier | None, metrics: Metrics, *,
                  block_size: int, readahead_size: int, max_fetches: int, max_readaheads: int,
                  hedger: Hedger | None = None, readahead_at_lookup: bool = False, first_read: Port | None = None,
-                 fetched: Port | None = None) -> None:
+                 fetched: Port | None = None, corrupted: Port | None = None) -> None:
         self.store = store
         self.memory = memory
         self.disk = disk
@@ -115,7 +117,7 @@ class Tiers:
         # Hedged GETs (hedge.py) take their limiter slots themselves: the store gets an unbounded one.
         self._hedger = hedger if hedger is not None and hedger.policy.enabled and cancellable_gets(store) else None
         self._no_limit = trio.CapacityLimiter(math.inf)
-        self.handover = HandOver(disk, metrics)     # exact cache files handed to the kernel (passthrough)
+        self.handover = HandOver(disk, metrics, corrupted=corrupted)    # exact cache files handed to the kernel
         self.whole = WholeFiles(disk, memory)       # large objects in one file, for passthrough (whole.py)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -12,7 +12,8 @@ no READ request to the daemon, once the daemon hands it over at OPEN. The promis
   reads each exact file back as it writes it and *seals* it (disk/seals.py: its inode, ctime and
   size in this boot), and a file verified here is sealed too: this daemon and later ones hand a
   sealed file over unread while the seal matches (a later one queues it for the scrub);
-- a background scrub (``scrub``) re-verifies handed-over files at a bounded rate;
+- a background scrub (``scrub``) re-verifies handed-over files at a bounded rate; a corrupt one is
+  dropped and named on the ``corrupted`` port (the FUSE layer stops handing its backing out);
 - a handed-over block is held: eviction skips it until the kernel's last user releases it, so
   the capacity rule counts what the kernel still reads.
 """
@@ -26,6 +27,7 @@ import trio
 
 from cachefs.errors import CorruptBlock, NeedsWait
 from cachefs.metrics import Metrics
+from cachefs.ports import Port
 from cachefs.sched import in_thread
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk import format as fmt
@@ -34,7 +36,7 @@ from cachefs.tiers.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 
-SCRUB_AGE = 600.0           # seconds before the scrub verifies a file again
+SCRUB_AGE = float(os.environ.get("CACHEFS_TEST_SCRUB_AGE", 600.0))   # seconds before the scrub verifies a file again
 
 
 @dataclass(slots=True)
@@ -47,8 +49,10 @@ class ExactFile:
 
 
 class HandOver:
-    def __init__(self, disk: DiskTier | None, metrics: Metrics, scrub_bytes_s: float = 16 << 20) -> None:
+    def __init__(self, disk: DiskTier | None, metrics: Metrics, scrub_bytes_s: float = 16 << 20,
+                 corrupted: Port | None = None) -> None:
         self.disk = disk
+        self.corrupted = corrupted if corrupted is not None else Port("corrupted")     # digest of a corrupt file
         self.metrics = metrics.group(TierMetrics)
         self.scrub_bytes_s = scrub_bytes_s
         self._verified: dict[str, float] = {}     # digest -> when it was last verified (monotonic)
@@ -139,6 +143,7 @@ class HandOver:
             self.seals.forget(digest)
         self.metrics.scrub_files.labels("corrupt").inc()
         self.disk.drop_corrupt(digest, exc if isinstance(exc, CorruptBlock) else CorruptBlock(str(exc)))
+        self.corrupted(digest)
 
     def release(self, exact: ExactFile) -> None:
         """The kernel no longer reads ``exact``: it may be evicted again."""

@@ -21,6 +21,7 @@ from mounts import put_tree
 from cachefs.fuse.backing import Backings
 from cachefs.fuse.loop_procs import LoopProcesses
 from cachefs.tiers.handover import ExactFile
+from cachefs.tiers.key import BlockKey
 from testing.s3 import free_port, s3_client
 
 pytestmark = pytest.mark.fuse
@@ -245,5 +246,53 @@ def test_a_backing_is_closed_only_after_every_loop_let_go_of_it():
         loop.release(slot11)
         backings.sweep()
         assert [b.id for b in closed] == [101] and backings.by_inode[11].closing is None
+    finally:
+        loops.close()
+
+
+def exact(name: str) -> ExactFile:
+    return ExactFile(fd=-1, key=BlockKey("store", name, "etag", 1 << 20, 0), size=1000)
+
+
+def test_a_backing_whose_cache_file_the_scrub_found_corrupt_answers_no_more_opens():
+    """Idle: closed at once. Open in the daemon: no open reuses it, none may register another for
+    its inode, and it closes at its last release. Published for loop processes: out of their table
+    at once, closed once their files are released."""
+    closed = []
+    backings = Backings(closed.append)
+    a, b = exact("a"), exact("b")
+    backings.add(1, 11, a)
+    backings.bind(100, 1)
+    backings.unbind(100)                                # idle
+    backings.add(2, 22, b)
+    backings.bind(200, 2)                               # open
+    assert backings.corrupt(a.key.digest()) == 1
+    assert [x.id for x in closed] == [11] and backings.reuse(1) == 0 and not backings.blocked(1)
+    assert backings.corrupt(b.key.digest()) == 1
+    assert backings.reuse(2) == 0 and backings.blocked(2) and closed == [closed[0]]
+    backings.unbind(200)
+    assert [x.id for x in closed] == [11, 22] and not backings.blocked(2)
+
+    closed.clear()
+    loops = LoopProcesses(lambda data, fd: None, lambda: None, count=1, nonce=3, slots=4)
+    try:
+        backings = Backings(closed.append)
+        backings.attach(loops)
+        c = exact("c")
+        backings.add(3, 33, c)
+        backings.bind(300, 3)
+        backings.unbind(300)
+        loop = Played(loops)
+        loop.begin()
+        assert loop.open(3) == 33                       # a loop's file on it
+        loop.end()
+        backings.corrupt(c.key.digest())
+        assert loops.table.inode[3] == 0 and loop.open(3) is None     # no loop answers with it again
+        assert backings.reuse(3) == 0 and backings.blocked(3)
+        backings.sweep()
+        assert closed == []                             # the loop's file is still open
+        loop.release(loop.fh_slot)
+        backings.sweep()
+        assert [x.id for x in closed] == [33] and not backings.blocked(3)
     finally:
         loops.close()

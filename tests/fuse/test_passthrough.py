@@ -336,3 +336,28 @@ def test_a_read_only_mount_of_a_changing_bucket_gives_each_version_its_own_inode
     finally:
         held.close()
     assert (mnt / "f.bin").read_bytes() == new
+
+
+def test_a_cache_file_the_scrub_finds_corrupt_is_not_handed_out_again(dataset, mount_factory, monkeypatch):
+    """Damaged while mounted, after its hand-over: the scrub finds it, and the next open reads the
+    object's right bytes (fetched again), not the backing the kernel still holds."""
+    monkeypatch.setenv("CACHEFS_TEST_SCRUB_AGE", "0")          # every handed-over file scrubbed each second
+    url, args = dataset
+    port = free_port()
+    mnt = mount(mount_factory, url, args, port, "--immutable")
+    assert read_all(mnt.path) == FILES
+    mnt.umount()
+    mnt.start()
+    name = "c1/f001.jpg"
+    assert (mnt / name).read_bytes() == FILES[name]           # handed over; its backing kept for the next open
+    [victim] = [p for p in exact_files(mnt.cache_dir) if p.read_bytes() == FILES[name]]
+    with open(victim, "r+b") as fh:                           # bit rot under a live mount
+        fh.seek(100)
+        fh.write(bytes([FILES[name][100] ^ 0xFF]))
+    deadline = time.monotonic() + 30
+    while metrics(port).get('cachefs_scrub_files_total{result="corrupt"}', 0) < 1:
+        assert time.monotonic() < deadline, "the scrub never found the damaged file"
+        time.sleep(0.2)
+    for _ in range(3):
+        assert (mnt / name).read_bytes() == FILES[name]
+    assert "failed its scrub" in (mnt.cache_dir / "cachefs.log").read_text()

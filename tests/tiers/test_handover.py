@@ -12,6 +12,7 @@ import trio
 
 from cachefs.errors import CorruptBlock, NeedsWait
 from cachefs.metrics import Metrics
+from cachefs.ports import Port
 from cachefs.tiers import handover as handover_module
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk import format as fmt
@@ -30,7 +31,10 @@ def test_the_scrub_goes_round_every_handed_over_file_and_drops_a_corrupt_one(tmp
     metrics = Metrics()
     disk = DiskTier(tmp_path, capacity=64 << 20, free_space_ratio=0.0, metrics=metrics, fsync=False,
                     chunk_size=4096, exact_files=True, seals=False)      # every file verified at its hand-over
-    hand = HandOver(disk, metrics, scrub_bytes_s=64 << 20)
+    named = []
+    corrupted = Port("corrupted")
+    corrupted.connect(named.append)
+    hand = HandOver(disk, metrics, scrub_bytes_s=64 << 20, corrupted=corrupted)
     small = {f"s{i}": random.Random(i).randbytes(1000 + 37 * i) for i in range(6)}
     big = [random.Random(99 + i).randbytes(BS) for i in range(3)]
     whole = key("big", WHOLE)
@@ -68,6 +72,7 @@ def test_the_scrub_goes_round_every_handed_over_file_and_drops_a_corrupt_one(tmp
                 while metrics.counter_value("cachefs_scrub_files_total", result="ok") < verified + len(small):
                     await trio.sleep(0.05)
             assert not disk.contains(key("s5")) and disk.contains(whole) and disk.contains(key("s0"))
+            assert named == [key("s5").digest()]          # the FUSE layer is told (its backing goes)
             nursery.cancel_scope.cancel()
     trio.run(main)
 
