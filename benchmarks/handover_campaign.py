@@ -15,7 +15,7 @@ stops at the first one), and after ``sync --wait``, the bucket holds every ackno
 each kill cost the readers (the longest read in flight across the kill: p50, p99, max), the
 daemon's own takeover time (from its log), reads and bytes verified, writer operations acked.
 
-    python -m benchmarks.handover_campaign --kills 100 [--mode kill|restart] [--immutable] [--no-standby]
+    python -m benchmarks.handover_campaign --kills 100 [--mode kill|restart] [--immutable] [--no-standby] [--mount-opt=FLAG]
 
 prints one JSON line. Needs root and /dev/fuse; starts its own moto server unless
 ``--endpoint-url`` and ``--bucket`` are given.
@@ -121,7 +121,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str = "kill", immutable: bool = False,
         standby: bool = True, files: int = 300, readers: int = 8, seed: int = 0,
-        resend: bool = True) -> tuple[dict, list[str]]:
+        resend: bool = True, mount_opts: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
     """One campaign; returns (figures, problems). ``resend=False`` plays a kernel before 6.9: the
     daemons never ask for resends, and what a dead one had read is answered from its in-flight log."""
     from cachefs import launcher
@@ -139,7 +139,7 @@ def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str 
     args = ["mount", f"s3://{bucket}/{PREFIX}", str(mnt), "--endpoint-url", endpoint_url, "--cache-dir", str(cache),
             "--log-file", str(log_file), "--metrics-port", "0", "--log-sync-period", "0.3",
             "--checkpoint-quiet-period", "0.5", "--upload-part-size", "5M",
-            *(["--immutable"] if immutable else []), *([] if standby else ["--no-keeper-standby"])]
+            *(["--immutable"] if immutable else []), *([] if standby else ["--no-keeper-standby"]), *mount_opts]
     if not resend:
         os.environ["CACHEFS_TEST_NO_RESEND"] = "1"          # inherited by the keeper and its daemons
     try:
@@ -150,7 +150,7 @@ def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str 
     problems: list[str] = []
     writer = None
     readers_ = Readers(mnt, {name: data for name, data in dataset.items()}, readers, seed)
-    figures: dict = {"mode": mode, "kills": 0, "immutable": immutable, "standby": standby}
+    figures: dict = {"mode": mode, "kills": 0, "immutable": immutable, "standby": standby, "mount_opts": list(mount_opts)}
     pauses, kill_times = [], []
     try:
         readers_.start()
@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="play a kernel before 6.9: the in-flight log answers what a dead daemon had read")
     parser.add_argument("--files", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mount-opt", action="append", default=[],
+                        help="one more `cachefs mount` flag, e.g. --mount-opt=--fuse-loop-kind=process")
     parser.add_argument("--endpoint-url")
     parser.add_argument("--bucket")
     args = parser.parse_args(argv)
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             make_bucket(endpoint, bucket)
         figures, problems = run(endpoint, bucket, Path(tmp), kills=args.kills, mode=args.mode,
                                 immutable=args.immutable, standby=args.standby, files=args.files, seed=args.seed,
-                                resend=args.resend)
+                                resend=args.resend, mount_opts=tuple(args.mount_opt))
     print(json.dumps({**figures, "problems": problems[:50]}))
     return 1 if problems else 0
 
