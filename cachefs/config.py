@@ -135,14 +135,14 @@ class MountConfig:
     fuse_read_ahead_kb: int = field(default=1024, metadata={
         "help": "kernel readahead of the mount (sysfs bdi read_ahead_kb)"})
     fuse_loops: int = field(default_factory=lambda: default_fuse_loops(), metadata={
-        "help": "extra FUSE request loops: threads that read requests from cloned /dev/fuse descriptors "
-                "for the one thread that answers them (0 on up to 4 CPUs, where they cost more than they "
-                "give; then one per 4 CPUs, up to 4)", "shown": "by CPU count"})
-    fuse_loop_kind: str = field(default="thread", metadata={
-        "help": "what the extra request loops are: thread (they read requests for the one thread that "
-                "answers them) or process (each answers by itself the opens of files handed to the kernel, and "
-                "their releases, with no GIL shared with the daemon; the rest goes to the daemon: --immutable "
-                "mounts with passthrough on Linux 6.9+, else threads)"})
+        "help": "extra FUSE request loops, each on a cloned /dev/fuse descriptor (processes or threads: "
+                "--fuse-loop-kind; 0 on up to 4 CPUs, where they cost more than they give; then one per 4 CPUs, "
+                "up to 4)", "shown": "by CPU count"})
+    fuse_loop_kind: str = field(default="auto", metadata={
+        "help": "what the extra request loops are: process (each answers by itself the opens of files handed "
+                "to the kernel, and their releases, with no GIL shared with the daemon; the rest goes to the "
+                "daemon: --immutable mounts with passthrough on Linux 6.9+), thread (they read requests for the "
+                "one thread that answers them), or auto: processes where they can run, else threads"})
     fuse_max_background: int = field(default=64, metadata={
         "help": "kernel FUSE max_background (concurrent async requests)"})
     passthrough: str = field(default="auto", metadata={
@@ -337,7 +337,7 @@ def _validate(cfg: MountConfig) -> None:
     need(cfg.fsync in ("local", "remote"), "fsync must be local or remote")
     need(cfg.fuse_backend in ("cachefs", "pyfuse3"), "fuse_backend must be cachefs or pyfuse3")
     need(cfg.passthrough in ("auto", "off"), "passthrough must be auto or off")
-    need(cfg.fuse_loop_kind in ("thread", "process"), "fuse_loop_kind must be thread or process")
+    need(cfg.fuse_loop_kind in ("auto", "thread", "process"), "fuse_loop_kind must be auto, thread or process")
     need(not cfg.fuse_no_open or (cfg.immutable and cfg.fuse_backend == "cachefs"),
          "--fuse-no-open needs --immutable (no open revalidates a file) and --fuse-backend cachefs")
     need(0 <= cfg.fuse_loops <= 64, "fuse_loops must be in 0..64")

@@ -508,7 +508,8 @@ class Operations:
 
     # A request the kernel sends again to a new daemon (``ctx.resent``: its first daemon died
     # answering it) may have been applied already: the error that only a second application
-    # gives (EEXIST after mkdir, ENOENT after unlink, rmdir or rename) is its success.
+    # gives (EEXIST after mkdir, ENOENT after unlink, rmdir or rename) is its success, and the
+    # node table is brought to what the journal says (the first daemon may have died between).
     @_operation("mkdir")
     async def mkdir(self, parent_inode, name, mode, ctx):
         try:
@@ -528,6 +529,7 @@ class Operations:
         except FsError as exc:
             if not (ctx.resent and exc.errno == errno.ENOENT):
                 raise
+            await self.vfs.unlinked_already(parent_inode, os.fsdecode(name))
 
     @_operation("rmdir")
     async def rmdir(self, parent_inode, name, ctx):
@@ -536,6 +538,7 @@ class Operations:
         except FsError as exc:
             if not (ctx.resent and exc.errno == errno.ENOENT):
                 raise
+            await self.vfs.unlinked_already(parent_inode, os.fsdecode(name))
 
     @_operation("rename")
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
@@ -546,6 +549,8 @@ class Operations:
             if not (ctx.resent and exc.errno == errno.ENOENT):
                 raise
             await self.vfs.child(self.vfs.node(parent_inode_new), os.fsdecode(name_new))    # moved: there
+            await self.vfs.renamed_already(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
+                                           os.fsdecode(name_new))
 
     # ---- what an object store cannot do ---------------------------------------------------------
     @_operation("mknod")

@@ -58,7 +58,8 @@ class SessionOptions:
     passthrough: bool = False           # ask for FUSE_PASSTHROUGH (where the kernel offers it)
     readdirplus: bool = True
     loops: int = 0                      # extra request loops: threads reading cloned descriptors
-    loop_processes: bool = False        # ... or processes that answer published opens themselves
+    loop_processes: str = ""            # ... or processes that answer published opens themselves:
+                                        # "process" (asked for), "auto" (where they can run), "" (never)
     inflight: str | None = None         # the in-flight log's path (a mount under a keeper)
     no_open: bool = False               # ask for zero-message opens (FUSE_NO_OPEN_SUPPORT), answer OPEN ENOSYS
 
@@ -68,7 +69,8 @@ class SessionOptions:
         requests; the in-flight log in the cache dir where a keeper keeps the mount (``kept``)."""
         return cls(max_background=cfg.fuse_max_background,
                    congestion_threshold=max(1, cfg.fuse_max_background * 3 // 4), passthrough=passthrough,
-                   loops=cfg.fuse_loops, loop_processes=cfg.fuse_loop_kind == "process" and cfg.immutable,
+                   loops=cfg.fuse_loops,
+                   loop_processes=cfg.fuse_loop_kind if cfg.fuse_loop_kind != "thread" and cfg.immutable else "",
                    inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if kept else None,
                    no_open=cfg.fuse_no_open)
 
@@ -251,13 +253,15 @@ class Session(Opcodes):
             return
         fds = [self.fd, *self._given_clones]        # as the keeper passed them (the loops take them later)
         pending = self.inflight.pending()
+        names = " ".join(abi.OPCODE_NAMES.get(abi.IN_HEADER.unpack_from(data)[1], "?") for _, _, data in pending)
         for slot, index, data in pending:
             if index >= len(fds):
                 self.inflight.done(slot)
                 continue
             self._dispatch(data, fds[index], slot, replayed=True)
         if pending:
-            log.info("answering %d request(s) the previous daemon had read, from the in-flight log", len(pending))
+            log.info("answering %d request(s) the previous daemon had read, from the in-flight log (%s)", len(pending),
+                     names)
 
     def _slot(self, index: int, buf: bytearray) -> tuple[int, memoryview]:
         """Where to read the next request from descriptor ``index``: a slot of the in-flight log,
@@ -315,8 +319,9 @@ class Session(Opcodes):
         """Request loops as processes (loop_procs.py) where what they answer cannot change under
         them: passthrough agreed and a kernel that sends requests again (a loop that dies loses none)."""
         if not (self.passthrough and self.negotiated.resend):
-            log.info("request loop processes need FUSE passthrough and FUSE_NOTIFY_RESEND (Linux 6.9+): "
-                     "thread loops instead")
+            log.log(logging.INFO if self.options.loop_processes == "process" else logging.DEBUG,
+                    "request loop processes need FUSE passthrough and FUSE_NOTIFY_RESEND (Linux 6.9+): "
+                    "thread loops instead")
             return False
         fds = [fd for fd in (self._clone() for _ in range(self.options.loops)) if fd is not None]
         if not fds:

@@ -86,6 +86,23 @@ class NameChanges:
         self._saved.file_changed(path, None)
         self._nodes.unlink(path)
 
+    # A resent request (its first daemon died before answering it) that finds its change already
+    # made (staged in the journal) is answered as done; but a daemon can die between staging the
+    # change and showing it in the node table, whose ids the next daemon took over from the id log.
+    # These bring the node table to what the journal says, where it lags.
+    async def unlinked_already(self, parent_inode: int, name: str) -> None:
+        parent, _ = await self._parent_state(parent_inode)
+        path = join(parent.path, name)
+        if self._nodes.at(path) is not None:
+            self._nodes.unlink(path)
+
+    async def renamed_already(self, old_parent: int, old_name: str, new_parent: int, new_name: str) -> None:
+        src_parent, _ = await self._parent_state(old_parent)
+        dst_parent, _ = await self._parent_state(new_parent)
+        old, new = join(src_parent.path, old_name), join(dst_parent.path, new_name)
+        if old != new and self._nodes.at(old) is not None:
+            self._nodes.move(old, new)
+
     async def rename(self, old_parent: int, old_name: str, new_parent: int, new_name: str, flags: int) -> None:
         self._writeback()
         if flags & ~RENAME_NOREPLACE:

@@ -118,6 +118,17 @@ def test_loop_processes_answer_opens_releases_and_isatty_of_handed_over_files(da
     assert exported["release"] == sum(loop["releases"] for loop in status["loops"])
 
 
+@pytest.mark.parametrize("extra,processes", [(("--immutable",), True), (("--immutable", "--fuse-loop-kind", "thread"), False),
+                                             ((), False)])
+def test_loops_are_processes_by_default_where_they_can_answer_alone(dataset, mount_factory, extra, processes):
+    """auto: processes on an --immutable mount with passthrough; threads on a writable one."""
+    url, args = dataset
+    mnt = mount_factory(url, *args, "--fuse-loops", "1", *extra).start()
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    status = mnt.status()["fuse"]["loop_processes"]
+    assert (status is not None and status["loops"][0]["running"]) if processes else status is None, status
+
+
 def test_loop_processes_killed_under_readers_cost_them_nothing(dataset, mount_factory, tmp_path):
     """One loop SIGKILLed: the other reads on; the second too: the daemon reads every request
     itself again. What each had read is sent again by the kernel: no reader sees an error."""

@@ -144,6 +144,11 @@ def test_bad_size_value(paths):
     expect_error(run_mount("s3://bucket/x", *paths, "--cache-size", "lots"), ExitCode.USAGE, "cache_size", "lots")
 
 
+def test_bad_loop_kind(paths):
+    expect_error(run_mount("s3://bucket/x", *paths, "--fuse-loop-kind", "fibers"), ExitCode.USAGE,
+                 "fuse_loop_kind must be auto, thread or process")
+
+
 # --- the store: 3 and 5 ------------------------------------------------------------------------
 
 def test_missing_bucket(paths, s3_server):

@@ -240,3 +240,40 @@ def test_resent_requests_count_what_was_applied_as_done(tmp_path):
                 await ops.unlink(ROOT_INODE, b"g", fresh)
             assert info.value.errno == errno.ENOENT
     trio.run(main)
+
+
+def test_a_resent_change_the_journal_holds_but_the_node_table_missed_is_shown_there_too(tmp_path, monkeypatch):
+    """The dead daemon staged the rename (or unlink) in the journal and died before moving the node:
+    the resent request, answered as done, moves it too, so the kernel's inode names the new path and
+    what is written through it is staged there, not under the old name (a campaign saw a checkpoint
+    rewritten in place staged as its temporary file)."""
+    store = WriteCountingStore(MemoryBucket().store().inner)
+    vfs, wb = make_stack(store, str(tmp_path / "staging"))
+    ops = Operations(vfs, Control(lambda: vfs.new_fh(CONTROL_INODE)), Metrics(),
+                     types.SimpleNamespace(passthrough=False), uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
+                     metadata_ttl=60.0, immutable=False)
+    fresh, resent = Context(0, 0, 1), Context(0, 0, 1, resent=True)
+
+    async def main():
+        async with running(vfs, wb):
+            info, attr = await ops.create(ROOT_INODE, b"f.tmp", 0o644, os.O_WRONLY, fresh)
+            await ops.write(info.fh, 0, b"first")
+            await ops.release(info.fh)
+            with monkeypatch.context() as patched:      # the daemon dies after the journal, before the nodes
+                patched.setattr(vfs._nodes, "move", lambda old, new: None)
+                await ops.rename(ROOT_INODE, b"f.tmp", ROOT_INODE, b"f", 0, fresh)
+            assert vfs._nodes.at("f.tmp").inode == attr.ino       # the lag this test is about
+            await ops.rename(ROOT_INODE, b"f.tmp", ROOT_INODE, b"f", 0, resent)
+            assert vfs._nodes.at("f.tmp") is None and vfs._nodes.at("f").inode == attr.ino
+            info = await ops.open(attr.ino, os.O_RDWR, fresh)        # rewritten in place through that inode
+            await ops.write(info.fh, 0, b"again")
+            await ops.release(info.fh)
+            assert wb.staged("f.tmp") is None and wb.staged("f") is not None
+            assert await ops.read((await ops.open(attr.ino, os.O_RDONLY, fresh)).fh, 0, 10) == b"again"
+            with monkeypatch.context() as patched:
+                patched.setattr(vfs._nodes, "unlink", lambda path: None)
+                await ops.unlink(ROOT_INODE, b"f", fresh)
+            assert vfs._nodes.at("f") is not None
+            await ops.unlink(ROOT_INODE, b"f", resent)
+            assert vfs._nodes.at("f") is None
+    trio.run(main)
