@@ -139,7 +139,10 @@ class LoopProcesses:
             log.warning("FUSE request loop process %d (pid %d) exited (status %s): the kernel sends again what "
                         "it had read%s", loop.index, loop.proc.pid, status,
                         "" if self.reading else "; the daemon reads every request itself from now on")
-            self._resend()
+            try:
+                self._resend()
+            except Exception as exc:  # noqa: BLE001  (a connection going away: its readers get ENOTCONN anyway)
+                log.warning("cannot ask the kernel to send the lost loop's requests again: %s", exc)
         self._changed.set()
         self._changed = trio.Event()
 

@@ -326,9 +326,15 @@ class Session(Opcodes):
         fds = [fd for fd in (self._clone() for _ in range(self.options.loops)) if fd is not None]
         if not fds:
             return False
-        self.procs = LoopProcesses(self._forwarded, lambda: self._notify(abi.NOTIFY_RESEND, []), count=len(fds),
-                                   nonce=new_nonce())
-        self.procs.start(fds)
+        procs = LoopProcesses(self._forwarded, lambda: self._notify(abi.NOTIFY_RESEND, []), count=len(fds),
+                              nonce=new_nonce())
+        try:
+            procs.start(fds)
+        except OSError as exc:
+            log.warning("cannot start the request loop processes (%s): thread loops instead", exc)
+            procs.close()
+            return False
+        self.procs = procs
         self._keep_given()
         started = getattr(self.ops, "loops_started", None)
         if started is not None:
