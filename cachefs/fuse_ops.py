@@ -253,17 +253,18 @@ class Operations:
         version = self._handover_version(inode, flags, wait=True)
         if version is None:
             return 0
-        if (not self.backings.reuse(inode) and self.vfs.node(inode).opens == 0 and not self.vfs.node(inode).restored
-                and not self.backings.blocked(inode)):
-            exact = await self.vfs.blocks.exact_file(version)
-            reused = self.backings.reuse(inode)          # another open may have handed it over meanwhile
-            if reused or self.vfs.node(inode).opens:
-                if exact is not None:
-                    os.close(exact.fd)
-                    self.vfs.blocks.release_exact(exact)
-                return reused
-            return self._register_backing(inode, exact)
-        return self.backings.reuse(inode) if inode in self.backings.by_inode else 0
+        reused = self.backings.reuse(inode)              # (counted once: this open holds it)
+        node = self.vfs.node(inode)
+        if reused or node.opens or node.restored or self.backings.blocked(inode):
+            return reused
+        exact = await self.vfs.blocks.exact_file(version)
+        reused = self.backings.reuse(inode)              # another open may have handed it over meanwhile
+        if reused or node.opens or self.backings.blocked(inode):
+            if exact is not None:
+                os.close(exact.fd)
+                self.vfs.blocks.release_exact(exact)
+            return reused
+        return self._register_backing(inode, exact)
 
     def _handover_version(self, inode: int, flags: int, wait: bool = False):
         if not self.kernel.passthrough:

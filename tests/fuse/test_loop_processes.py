@@ -2,7 +2,8 @@
 opens of handed-over files, their releases and CPython's isatty ioctl by themselves, with right
 bytes and nothing left open; a loop SIGKILLed under readers, or the daemon SIGKILLed under its
 keeper, costs the readers nothing; a backing a loop still has files open on is never closed
-(the protocol checked step by step on the shared table, and under eviction churn on a mount)."""
+(the protocol checked step by step on the shared table, and under eviction churn on a mount);
+and the daemon's own count of a backing's opens, which decides when it may close."""
 
 import hashlib
 import json
@@ -12,14 +13,18 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 from mounts import put_tree
 
 from cachefs.fuse.backing import Backings
 from cachefs.fuse.loop_procs import LoopProcesses
+from cachefs.fuse_ops import Operations
 from cachefs.tiers.handover import ExactFile
 from cachefs.tiers.key import BlockKey
 from testing.s3 import free_port, s3_client
@@ -307,3 +312,39 @@ def test_a_backing_whose_cache_file_the_scrub_found_corrupt_answers_no_more_open
         assert [x.id for x in closed] == [33] and not backings.blocked(3)
     finally:
         loops.close()
+
+
+def test_an_open_that_waited_counts_once_on_the_backing_another_open_registered():
+    """Two first opens of one file: the second waits (its cache file is being checked) while the
+    first registers the backing; the second then holds it once, so both releases leave it idle."""
+    closed = []
+    node = types.SimpleNamespace(opens=0, restored=False)
+    gate = trio.Event()
+    ops = Operations.__new__(Operations)
+    ops.backings = Backings(closed.append)
+    ops.kernel = types.SimpleNamespace(passthrough=True)
+
+    async def exact_file(version):
+        await gate.wait()
+        return None
+
+    ops.vfs = types.SimpleNamespace(handover_version=lambda inode, flags: "v1", node=lambda inode: node,
+                                    blocks=types.SimpleNamespace(exact_file=exact_file))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            got = []
+
+            async def second():
+                got.append(await ops._hand_over(7, os.O_RDONLY))
+            nursery.start_soon(second)
+            await trio.testing.wait_all_tasks_blocked()
+            ops.backings.add(7, 70, exact("seven"))        # the first open registered it meanwhile
+            gate.set()
+        assert got == [70] and ops.backings.by_inode[7].opens == 2
+        assert await ops._hand_over(7, os.O_RDONLY) == 70 and ops.backings.by_inode[7].opens == 3
+        for fh in (1, 2, 3):
+            ops.backings.bind(fh, 7)
+            ops.backings.unbind(fh)
+        assert ops.backings.by_inode[7].opens == 0 and 7 in ops.backings._idle
+    trio.run(main)
