@@ -16,6 +16,8 @@ Frozen snapshots without copies: an upload reads ``[0, size)`` of the staging fi
 when it started; before the object is made visible it checks that no write went below ``size``
 and that the file was not renamed or deleted (``StagedFile.check``), else it is *superseded*
 (a multipart upload is aborted; no object appears) and the newer version is uploaded instead.
+A PUT or completion already sent still lands: until it has, its path counts as holding an object
+(``_may_exist``), so a delete there leaves a tombstone, run after it.
 
 A file whose last upload covered its last write and that no writer holds open is *retired*: its
 record, then its staging file, are removed and reads go through the block cache (new ETag).
@@ -43,15 +45,7 @@ from cachefs.writeback.journal import DELETE, FILE, MKDIR, RMDIR, Journal, Recor
 from cachefs.writeback.metrics import WritebackMetrics
 from cachefs.writeback.overlay import DirOverlay, overlay
 from cachefs.writeback.policy import CHECKPOINT, CLASSES, LOG, MAX_PARTS, SyncPolicy, WritebackOptions, part_size_for
-from cachefs.writeback.staged import (
-    UNTOUCHED,
-    PendingOp,
-    StagedFile,
-    Superseded,
-    UploadJob,
-    Waiter,
-    earliest,
-)
+from cachefs.writeback.staged import UNTOUCHED, PendingOp, StagedFile, Superseded, UploadJob, Waiter, earliest
 from cachefs.writeback.uploader import Uploader
 
 __all__ = ["CHECKPOINT", "CLASSES", "LOG", "MAX_PARTS", "StagedFile", "SyncPolicy", "Writeback", "part_size_for"]
@@ -300,6 +294,11 @@ class Writeback:
         """The directory marker ``path/`` must not exist."""
         await self._add_op(RMDIR, path)
 
+    def _may_exist(self, path: str) -> bool:
+        """An object may come to be at ``path`` whatever the listing says: an upload of it is on
+        its way (a superseded one still lands), or its tombstone has not run."""
+        return path in self._busy or (False, path) in self._ops
+
     def cancel_delete(self, path: str) -> None:
         """A pending tombstone of ``path`` is moot (something new lives there)."""
         self._cancel_op((False, path))
@@ -324,11 +323,10 @@ class Writeback:
     async def _register(self, entry: StagedFile) -> None:
         """Journal ``entry`` and make it the file at its path (replacing any staged one)."""
         old = self._files.get(entry.path)
+        entry.remote = entry.remote or self._may_exist(entry.path) or (old is not None and old.remote)
         self._files[entry.path] = entry
         self.staged_bytes += entry.size
         self.cancel_delete(entry.path)
-        if old is not None:
-            entry.remote = entry.remote or old.remote
         try:     # the new record first (its larger seq wins at replay): a crash keeps the old file
             await self._guard.write_record(entry.record)
         except OSError:
@@ -536,6 +534,7 @@ class Writeback:
         old_path, had_object = entry.path, entry.remote or entry.uploading is not None
         other = self._files.get(new_path)
         other = other if other is not entry else None
+        replaces_object = replaces_object or self._may_exist(new_path)
         if other is not None:
             replaces_object = replaces_object or other.remote
             if other.uploading is not None:

@@ -145,6 +145,42 @@ def test_multipart_above_the_part_size_appears_only_complete(bucket, tmp_path):
     assert count(metrics, "uploaded_bytes", sync_class=CHECKPOINT) == len(data)
 
 
+@pytest.mark.parametrize("size", [20 * KIB, 150 * KIB])      # one PUT, and a multipart upload
+def test_an_upload_that_lands_after_its_file_was_replaced_then_deleted_is_deleted_too(bucket, tmp_path, size):
+    """A save's upload already sent when the next save renames over it and the file is deleted:
+    the sent upload still lands, so the delete must leave a tombstone (run after it), or the first
+    save comes back (a crash campaign saw exactly this: a deleted checkpoint in the bucket)."""
+    store = counted(bucket)
+    stack = make_stack(store, str(tmp_path), part_size=64 * KIB)
+    last = "finish_upload" if size > 64 * KIB else "put"
+
+    async def body(fs, vfs, wb):
+        gate = store.hold(last, lambda path, *args: path == "ckpt/s0.pt")
+        await fs.call("mkdir", "tmp")
+        await fs.call("mkdir", "ckpt")
+        await fs.call("write_at", "tmp/s0.tmp", os.O_CREAT, 0, b"1" * size)
+        await fs.call("rename", "tmp/s0.tmp", "ckpt/s0.pt")
+        wb.request_sync()
+        await gate.wait_reached()                                    # version 1 is on its way
+        await fs.call("write_at", "tmp/s0.tmp", os.O_CREAT, 0, b"2" * 1000)
+        await fs.call("rename", "tmp/s0.tmp", "ckpt/s0.pt")           # version 2 replaces it
+        await fs.call("unlink", "ckpt/s0.pt")                         # and is deleted
+        gate.open()
+        await until(lambda: "ckpt/s0.pt" not in wb._busy, 10)      # version 1's upload has ended (landed)
+        assert await wb.wait_synced(None, 10)
+        assert not _exists(store, "ckpt/s0.pt")
+
+    run(stack, body)
+
+
+def _exists(store, path: str) -> bool:
+    try:
+        store.inner.head(path)
+        return True
+    except NoSuchKey:
+        return False
+
+
 def test_an_overwrite_supersedes_the_upload_in_flight(bucket, tmp_path):
     store = counted(bucket)
     metrics = Metrics()
