@@ -81,6 +81,13 @@ def finish(readers: list[tuple[subprocess.Popen, Path]], timeout: float = 120) -
     return tallies
 
 
+def stop_clean(readers: list[tuple[subprocess.Popen, Path]], tmp_path: Path) -> None:
+    """Stop readers that read in a loop: each read something, never an error or a wrong byte."""
+    (tmp_path / "stop").touch()
+    tallies = finish(readers)
+    assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] > 0 for t in tallies), tallies
+
+
 def loop_status(mnt) -> dict:
     status = mnt.status()["fuse"]["loop_processes"]
     assert status is not None, mnt.status()["fuse"]
@@ -148,9 +155,7 @@ def test_loop_processes_killed_under_readers_cost_them_nothing(dataset, mount_fa
         time.sleep(1.0)
         served.append(mnt.status()["fuse"]["requests"])
     time.sleep(1.0)
-    (tmp_path / "stop").touch()
-    tallies = finish(readers)
-    assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] > 0 for t in tallies), tallies
+    stop_clean(readers, tmp_path)
     status = loop_status(mnt)
     assert [loop["running"] for loop in status["loops"]] == [False, False], status
     assert mnt.status()["fuse"]["requests"] > served[-1] + len(FILES)      # the daemon's own loop reads again
@@ -170,9 +175,7 @@ def test_the_daemon_killed_under_its_keeper_takes_its_loops_with_it_and_readers_
         time.sleep(0.05)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in old), "a loop process outlived its daemon"
     time.sleep(1.5)
-    (tmp_path / "stop").touch()
-    tallies = finish(readers)
-    assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] > 0 for t in tallies), tallies
+    stop_clean(readers, tmp_path)
     status = loop_status(mnt)
     assert [loop["running"] for loop in status["loops"]] == [True, True], status
     assert not {loop["pid"] for loop in status["loops"]} & set(old)

@@ -207,14 +207,20 @@ def test_restored_backing_ids_answer_their_inodes_opens_until_forget(tmp_path):
     assert ops.backings.by_inode == {}
 
 
-def test_resent_requests_count_what_was_applied_as_done(tmp_path):
-    """A request the kernel sends again (bit 63 of its unique) may have been applied by the dead
-    daemon: mkdir then finds the directory, unlink and rmdir find nothing, rename finds the new name."""
+def writable_ops(tmp_path):
+    """A writable namespace (no kernel) and the FUSE operations over it."""
     store = WriteCountingStore(MemoryBucket().store().inner)
     vfs, wb = make_stack(store, str(tmp_path / "staging"))
     ops = Operations(vfs, Control(lambda: vfs.new_fh(CONTROL_INODE)), Metrics(),
                      types.SimpleNamespace(passthrough=False), uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
                      metadata_ttl=60.0, immutable=False)
+    return vfs, wb, ops
+
+
+def test_resent_requests_count_what_was_applied_as_done(tmp_path):
+    """A request the kernel sends again (bit 63 of its unique) may have been applied by the dead
+    daemon: mkdir then finds the directory, unlink and rmdir find nothing, rename finds the new name."""
+    vfs, wb, ops = writable_ops(tmp_path)
     fresh, resent = Context(0, 0, 1), Context(0, 0, 1, resent=True)
 
     async def main():
@@ -247,11 +253,7 @@ def test_a_resent_change_the_journal_holds_but_the_node_table_missed_is_shown_th
     the resent request, answered as done, moves it too, so the kernel's inode names the new path and
     what is written through it is staged there, not under the old name (a campaign saw a checkpoint
     rewritten in place staged as its temporary file)."""
-    store = WriteCountingStore(MemoryBucket().store().inner)
-    vfs, wb = make_stack(store, str(tmp_path / "staging"))
-    ops = Operations(vfs, Control(lambda: vfs.new_fh(CONTROL_INODE)), Metrics(),
-                     types.SimpleNamespace(passthrough=False), uid=0, gid=0, file_mode=0o644, dir_mode=0o755,
-                     metadata_ttl=60.0, immutable=False)
+    vfs, wb, ops = writable_ops(tmp_path)
     fresh, resent = Context(0, 0, 1), Context(0, 0, 1, resent=True)
 
     async def main():
