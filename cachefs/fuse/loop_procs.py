@@ -109,20 +109,21 @@ class LoopProcesses:
                     tick()
 
     async def _receive(self, loop: Loop) -> None:
+        buf = bytearray(_SOCKET_BUFFER)           # (recv(n) would allocate n bytes per message)
         while True:
             try:
-                data = loop.sock.recv(_SOCKET_BUFFER)
+                length = loop.sock.recv_into(buf)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(loop.sock)
                 continue
             except OSError as exc:
-                data = b""
+                length = 0
                 log.warning("request loop %d: %s", loop.index, exc)
-            if not data:
+            if not length:
                 self._lost(loop)
                 return
             self.forwarded += 1
-            self._dispatch(memoryview(data), loop.fd)
+            self._dispatch(memoryview(bytes(buf[:length])), loop.fd)     # its own copy: a task may keep it
 
     def _lost(self, loop: Loop) -> None:
         if loop.gone:
