@@ -110,6 +110,7 @@ class LoopProcesses:
 
     async def _receive(self, loop: Loop) -> None:
         buf = bytearray(_SOCKET_BUFFER)           # (recv(n) would allocate n bytes per message)
+        view = memoryview(buf)
         while True:
             try:
                 length = loop.sock.recv_into(buf)
@@ -123,7 +124,7 @@ class LoopProcesses:
                 self._lost(loop)
                 return
             self.forwarded += 1
-            self._dispatch(memoryview(bytes(buf[:length])), loop.fd)     # its own copy: a task may keep it
+            self._dispatch(memoryview(bytes(view[:length])), loop.fd)    # its own copy: a task may keep it
 
     def _lost(self, loop: Loop) -> None:
         if loop.gone:
