@@ -181,6 +181,5 @@ class Backings:
 
     def _unpublish(self, backing: Backing) -> None:
         if backing.slot >= 0:
-            self._loops.table.retract(backing.inode)
-            self._loops.free(backing.slot)
+            self._loops.withdraw(backing.inode, backing.slot)
             backing.slot = -1

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from cachefs.fuse.looptable import LOOP_FH, LoopTable
+from cachefs.fuse.looptable import LoopTable
 
 log = logging.getLogger("cachefs.fuse.session")
 
@@ -186,6 +186,12 @@ class LoopProcesses:
         self.table.retract(inode)
         return Closing(slot, self.table.positions())
 
+    def withdraw(self, inode: int, slot: int) -> None:
+        """Out of the table and its slot free at once (no loop can hold a file of ``inode`` open:
+        the kernel forgot it, or the session ends)."""
+        self.table.retract(inode)
+        self.free(slot)
+
     def closable(self, closing: Closing) -> bool:
         return self.table.passed(closing.since, self._gone) and self.table.open_files(closing.slot) == 0
 
@@ -212,10 +218,6 @@ class LoopProcesses:
                           for loop in self.loops],
                 "open_files": (opened - released) & 0xFFFFFFFF, "forwarded": self.forwarded,
                 "published": self.table.slots - len(self._free)}
-
-
-def is_loop_handle(fh: int) -> bool:
-    return bool(fh & LOOP_FH)
 
 
 def _big_buffers(sock: socket.socket) -> None:

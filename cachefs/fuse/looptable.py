@@ -42,11 +42,7 @@ class LoopTable:
         self.inodes, self.slots, self.loops = inodes, slots, loops
         rows = loops + 1
         self._seq_at = HEADER
-        self._counts_at = HEADER + rows * SEQ_STRIDE
-        self._counts_at += -self._counts_at % 8
-        self._inode_at = self._counts_at + 2 * rows * slots * 4
-        self._inode_at += -self._inode_at % 4096
-        self.size = self._inode_at + inodes * 8
+        self._counts_at, self._inode_at, self.size = self._layout(inodes=inodes, slots=slots, loops=loops)
         self.map = mmap.mmap(fd, self.size)
         self._words = memoryview(self.map).cast("Q")
         self.header = self._words[:HEADER // 8]
@@ -60,7 +56,7 @@ class LoopTable:
     def create(cls, *, inodes: int = 1 << 24, slots: int = 81920, loops: int = 1, nonce: int = 0) -> "LoopTable":
         """A new table in a memfd (sparse: an inode's page is backed once one near it is published)."""
         fd = os.memfd_create("cachefs-loops", os.MFD_CLOEXEC)
-        os.ftruncate(fd, cls._size(inodes=inodes, slots=slots, loops=loops))
+        os.ftruncate(fd, cls._layout(inodes=inodes, slots=slots, loops=loops)[2])
         table = cls(fd, inodes=inodes, slots=slots, loops=loops)
         table.header[0], table.header[1], table.header[2], table.header[3], table.header[4] = (
             MAGIC, nonce, loops, inodes, slots)
@@ -77,13 +73,14 @@ class LoopTable:
         return cls(fd, inodes=inodes, slots=slots, loops=loops)
 
     @staticmethod
-    def _size(*, inodes: int, slots: int, loops: int) -> int:
+    def _layout(*, inodes: int, slots: int, loops: int) -> tuple[int, int, int]:
+        """Where the counters and the inode table start, and the table's whole size."""
         rows = loops + 1
-        at = HEADER + rows * SEQ_STRIDE
-        at += -at % 8
-        at += 2 * rows * slots * 4
-        at += -at % 4096
-        return at + inodes * 8
+        counts_at = HEADER + rows * SEQ_STRIDE
+        counts_at += -counts_at % 8
+        inode_at = counts_at + 2 * rows * slots * 4
+        inode_at += -inode_at % 4096
+        return counts_at, inode_at, inode_at + inodes * 8
 
     @property
     def nonce(self) -> int:
