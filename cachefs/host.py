@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 
 from cachefs.errors import CacheDirError, FuseUnavailable, MountpointError
@@ -113,10 +114,12 @@ def _unescape(field: str) -> str:
 MIN_CACHE_FS_FREE = 1 << 20
 
 
-def check_cache_fs(cache_dir: str, cache_size: int) -> str | None:
+def check_cache_fs(cache_dir: str, cache_size: int, staging_dir: str | None = None) -> str | None:
     """Refuse a cache dir whose filesystem is full (under 1 MiB available to a normal user: the
-    root reserve is not for caches), new or existing alike; return a warning when ``cache_size``
-    exceeds the whole filesystem (the disk tier then stops at the free-space floor instead)."""
+    root reserve is not for caches) unless it holds what cachefs itself can free: staged writes
+    (the daemon uploads them, and must, or acknowledged writes would be stranded) or cached blocks
+    (it evicts them); then start with a warning. Also warn when ``cache_size`` exceeds the whole
+    filesystem (the disk tier then stops at the free-space floor instead)."""
     path = cache_dir
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
@@ -126,12 +129,30 @@ def check_cache_fs(cache_dir: str, cache_size: int) -> str | None:
         raise CacheDirError(f"cache dir {cache_dir}: {exc.strerror}") from None
     available, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     if available < MIN_CACHE_FS_FREE:
-        raise CacheDirError(f"cache dir {cache_dir}: its filesystem is full ({available} bytes available of "
-                            f"{total}); free some space or choose another --cache-dir")
+        staging = staging_dir or os.path.join(cache_dir, "staging")
+        held = [what for what, where in (("staged writes to upload", staging),
+                                         ("cached blocks to evict", os.path.join(cache_dir, "blocks", "blocks")))
+                if _holds_a_file(where)]
+        if not held:
+            raise CacheDirError(f"cache dir {cache_dir}: its filesystem is full ({available} bytes available of "
+                                f"{total}); free some space or choose another --cache-dir")
+        return (f"cache dir {cache_dir}: its filesystem is full ({available} bytes available of {total}); "
+                f"starting anyway, it holds {' and '.join(held)}: writes may get ENOSPC until that frees room")
     if cache_size > total:
         return (f"--cache-size {_gib(cache_size)} is more than the cache filesystem holds ({_gib(total)} in all, "
                 f"{_gib(available)} free): the disk tier stops at the --free-space-ratio floor instead")
     return None
+
+
+def _holds_a_file(directory: str) -> bool:
+    """Whether ``directory`` or one under it holds a non-empty regular file; stops at the first."""
+    for parent, _dirs, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(parent, name))
+                if st.st_size and stat.S_ISREG(st.st_mode):
+                    return True
+    return False
 
 
 def _gib(n: int) -> str:

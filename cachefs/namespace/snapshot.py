@@ -37,7 +37,11 @@ class ListingSnapshot:
         # the mount's own changes of late, per saved directory: (when, sql, args), laid again over a
         # listing that began before them (``save``)
         self._recent: dict[str, list[tuple[float, str, tuple]]] = {}
-        self._db = self._open()
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._db = self._open()
+        except sqlite3.Error as exc:    # a full cache filesystem: this run's listings in memory
+            self._discard(f"cannot be opened: {exc}")
 
     def _open(self) -> sqlite3.Connection:
         try:
@@ -195,8 +199,9 @@ class ListingSnapshot:
         before the change. Their files are unlinked (that needs no free space; ``sync`` makes it
         durable before the record covering the change goes) and an empty snapshot takes over."""
         log.info("listing snapshot %s dropped: %s", self.path, why)
-        with contextlib.suppress(sqlite3.Error):
-            self._db.close()
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
         for suffix in ("", "-wal", "-shm"):
             with contextlib.suppress(OSError):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)

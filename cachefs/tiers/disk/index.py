@@ -12,6 +12,7 @@ synchronous code owned by the trio thread (docs/design.md, invariant 6). Keys ar
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections import OrderedDict
@@ -163,7 +164,8 @@ class SegmentedLRU:
 
 def prepare_root(root: Path, fsync: bool) -> tuple[int, list[tuple[int, str, int]]]:
     """Create the layout, prove it writable, remove stale temp files and list the blocks
-    as (mtime_ns, digest, size), oldest first. Stat only: blocks are verified on read."""
+    as (mtime_ns, digest, size), oldest first. Stat only: blocks are verified on read. A full
+    filesystem passes the proof (ENOSPC is no fault of the disk: fills evict to make room)."""
     blocks, tmp = root / "blocks", root / "tmp"
     for path in (root, blocks, tmp):
         path.mkdir(parents=True, exist_ok=True)
@@ -174,7 +176,11 @@ def prepare_root(root: Path, fsync: bool) -> tuple[int, list[tuple[int, str, int
         for entry in entries:
             os.unlink(entry.path)
             removed += 1
-    health.probe_dir_writable(tmp, fsync)
+    try:
+        health.probe_dir_writable(tmp, fsync)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
     found = []
     for i in range(256):
         prefix = f"{i:02x}"
