@@ -27,7 +27,8 @@ from cachefs.config import FIXED_OPTIONS, MountConfig
 from cachefs.control.commands import command_table
 from cachefs.control.server import Control
 from cachefs.errors import CacheDirError, CachefsError, ConfigError, MountpointError, NoSuchKey
-from cachefs.fuse_ops import FuseMetrics, Operations
+from cachefs.fuse_metrics import FuseMetrics
+from cachefs.fuse_ops import Operations
 from cachefs.host import (
     CacheDirLock,
     check_cache_fs,

@@ -18,15 +18,13 @@ import struct
 import time
 from collections import OrderedDict
 
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily
-
 from cachefs.control.protocol import CONTROL_NAME, IOCTL_RECEIVE, IOCTL_SEND
 from cachefs.control.server import Control
 from cachefs.errors import CachefsError, NeedsWait
 from cachefs.fuse.backing import Backing, Backings
 from cachefs.fuse.types import Attr, DirReply, FileInfo, FuseError, StatFs
-from cachefs.metrics import Metrics, OperationTimes
+from cachefs.fuse_metrics import FuseMetrics, TimingCache
+from cachefs.metrics import Metrics
 from cachefs.namespace.vfs import CONTROL_INODE, ROOT_INODE, FsError, Node, Vfs
 from cachefs.tiers.metrics import TierMetrics
 
@@ -109,41 +107,6 @@ def _describe(ops: "Operations", args: tuple) -> str:
     return ""
 
 
-class FuseMetrics:
-    """The FUSE adapter's metrics: operations, their failures and latency, by operation."""
-
-    def __init__(self, r: CollectorRegistry) -> None:
-        self.fuse_times = OperationTimes(r, ("cachefs_fuse_operations", "FUSE operations"),
-                                         ("cachefs_fuse_operation_seconds", "FUSE operation latency"))
-        self.fuse_errors = Counter("cachefs_fuse_errors", "FUSE operations that failed", ["op", "errno"],
-                                   registry=r)
-        self.loop_requests = LoopRequests(r)
-
-
-class LoopRequests:
-    """What the request loop processes (``--fuse-loop-kind process``) did with the requests they
-    read, from their shared table at scrape time: answered there (open, release, ioctl) or sent to
-    the daemon (forwarded). Opens answered there are passthrough opens the daemon never sees."""
-
-    _name, _help = "cachefs_fuse_loop_requests", "Requests the FUSE loop processes read, by what became of them"
-    _labelnames = ("answer",)
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.source = None            # the loops (cachefs/fuse/loop_procs.py) once they run
-        registry.register(self)
-
-    def describe(self):
-        return [CounterMetricFamily(self._name, self._help, labels=["answer"])]
-
-    def collect(self):
-        family = CounterMetricFamily(self._name, self._help, labels=["answer"])
-        totals = self.source.totals() if self.source is not None else {}
-        for answer, kind in (("open", "opens"), ("release", "releases"), ("ioctl", "ioctls"),
-                             ("forwarded", "forwarded")):
-            family.add_metric([answer], totals.get(kind, 0))
-        return [family]
-
-
 class Operations:
     @classmethod
     def from_config(cls, cfg, vfs: Vfs, control: Control, metrics: Metrics, kernel, *,
@@ -155,15 +118,16 @@ class Operations:
         uid, gid = cfg.owner
         return cls(vfs, control, metrics, kernel, uid=uid, gid=gid, idle_backing_bytes=cfg.cache_size // 4,
                    file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl,
-                   immutable=immutable)
+                   immutable=immutable, open_ahead=cfg.fuse_open_ahead)
 
     def __init__(self, vfs: Vfs, control: Control, metrics: Metrics, kernel, *, uid: int, gid: int,
                  file_mode: int, dir_mode: int, metadata_ttl: float, immutable: bool,
-                 idle_backing_bytes: int = 4 << 30) -> None:
+                 idle_backing_bytes: int = 4 << 30, open_ahead: bool = True) -> None:
         self.kernel = kernel          # the FUSE layer: notify_store, and passthrough (backing_open/close)
         # backing files kept past their last release (a hot epoch reopens them): a quarter of the
         # disk tier at most, since they are held from eviction
         self.backings = Backings(self._close_backing, max_idle_bytes=idle_backing_bytes)
+        self.open_ahead = open_ahead      # a looked-up file's backing registered at LOOKUP (``_ahead``)
         self.vfs = vfs
         self.control = control
         self.metrics = metrics.group(FuseMetrics)
@@ -173,7 +137,7 @@ class Operations:
         self.timeout = _IMMUTABLE_TIMEOUT if immutable else metadata_ttl
         self._implicit: dict[int, int] = {}          # inode -> the read handle of files opened with no OPEN
         self._implicit_control: OrderedDict[int, int] = OrderedDict()     # caller's thread -> control session
-        self._timing = _TimingCache(self.metrics)
+        self._timing = TimingCache(self.metrics)
 
     def _failed(self, name: str, code: int) -> None:
         self.metrics.fuse_errors.labels(name, errno.errorcode.get(code, str(code))).inc()
@@ -198,7 +162,7 @@ class Operations:
         if parent_inode == ROOT_INODE and text == CONTROL_NAME:
             return self._control_attr()
         try:
-            return self._attr(await self.vfs.lookup(parent_inode, text))
+            return self._attr(self._ahead(await self.vfs.lookup(parent_inode, text)))
         except FsError as exc:
             if exc.errno != errno.ENOENT:
                 raise
@@ -210,7 +174,7 @@ class Operations:
         if parent_inode == ROOT_INODE and text == CONTROL_NAME:
             return self._control_attr()
         try:
-            return self._attr(self.vfs.lookup_now(parent_inode, text))
+            return self._attr(self._ahead(self.vfs.lookup_now(parent_inode, text)))
         except FsError as exc:
             if exc.errno != errno.ENOENT:
                 raise
@@ -249,6 +213,22 @@ class Operations:
             return 0
         return self._register_backing(inode, self.vfs.blocks.exact_file_now(version))
 
+    def _ahead(self, node: Node) -> Node:
+        """Where loop processes answer opens, register the backing of a looked-up file whose
+        verified cache file is at hand (no disk read) before the LOOKUP is answered: its OPEN,
+        which follows at once, is then answered by a loop (fuse/backing.py)."""
+        if (not (self.open_ahead and self.backings.ahead) or node.is_dir or node.size >= self.vfs.blocks.block_size or node.opens
+                or node.restored or node.inode in self.backings.by_inode):
+            return node             # (a large file's whole-object file is not assembled for a lookup)
+        try:
+            version = self._handover_version(node.inode, os.O_RDONLY)
+            exact = self.vfs.blocks.exact_file_now(version) if version is not None else None
+        except NeedsWait:
+            return node
+        if exact is not None:
+            self._register_backing(node.inode, exact, opens=0)
+        return node
+
     async def _hand_over(self, inode: int, flags: int) -> int:
         version = self._handover_version(inode, flags, wait=True)
         if version is None:
@@ -276,7 +256,7 @@ class Operations:
                 return None          # revalidated by the open itself: not handed over this time
             raise
 
-    def _register_backing(self, inode: int, exact) -> int:
+    def _register_backing(self, inode: int, exact, opens: int = 1) -> int:
         if exact is None:
             self.served.passthrough_fallbacks.labels("not_cached").inc()
             return 0
@@ -291,7 +271,7 @@ class Operations:
             return 0
         finally:
             os.close(exact.fd)            # the kernel holds the file from here on
-        self.backings.add(inode, backing_id, exact)
+        self.backings.add(inode, backing_id, exact, opens=opens)
         self.vfs.ids_log_backing(inode, backing_id)
         return backing_id
 
@@ -568,15 +548,3 @@ class Operations:
 
     def _refusal(self) -> int:
         return errno.EPERM if self.vfs.writable else errno.EROFS
-
-
-class _TimingCache(dict):
-    """Each operation's count and latency (``metrics.OperationTimes``), resolved once by name."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        super().__init__()
-        self._times = metrics.fuse_times          # metrics: the FuseMetrics group
-
-    def __missing__(self, name: str):
-        child = self[name] = self._times.child(name)
-        return child

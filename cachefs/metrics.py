@@ -1,7 +1,7 @@
 """Prometheus metrics on a dedicated registry, and the exporter.
 
 ``Metrics`` is one daemon's registry and the mount's own two series; each component declares its
-metrics in its own package (``tiers/metrics.py``, ``store/metrics.py``, ``fuse_ops.FuseMetrics``,
+metrics in its own package (``tiers/metrics.py``, ``store/metrics.py``, ``fuse_metrics.FuseMetrics``,
 ``packed/view.PackedMetrics``, ``writeback/metrics.py``, ``warm/metrics.py``) and registers them
 with ``Metrics.group``. Labels never carry secrets or unbounded values (no paths, no keys): only
 tier, operation, status class and result names from small fixed sets.

@@ -16,6 +16,10 @@ answer opens with (``attach``). Closing one then waits: it is taken out of the l
 kept, still answering the daemon's own opens of its inode, until no loop can still answer an open
 with it and every file the loops opened on it is released (``sweep``, ticked by the loops).
 
+There a backing is also registered ahead, when a file is looked up and its verified cache file is
+at hand (``add`` with no open): the OPEN that follows is answered by a loop and never reaches the
+daemon. It starts idle, so it is bounded and closed like any idle one.
+
 A backing id lives in the connection, not in the daemon: one a previous daemon of the mount
 registered is taken over (``restore``) and answers every open of its inode from then on. How many
 files the kernel has open on it is not known, so it is never closed while idle, only at the
@@ -85,9 +89,15 @@ class Backings:
         backing.opens += 1
         return backing.id
 
-    def add(self, inode: int, backing_id: int, exact: ExactFile) -> None:
-        self.by_inode[inode] = backing = Backing(backing_id, exact, inode=inode)
+    def add(self, inode: int, backing_id: int, exact: ExactFile, *, opens: int = 1) -> None:
+        """A new backing of ``inode``, with ``opens`` handles (0: registered ahead of any open,
+        idle from the start)."""
+        self.by_inode[inode] = backing = Backing(backing_id, exact, opens=opens, inode=inode)
         self._publish(backing)
+        if opens == 0:
+            self._idle[inode] = backing
+            self._idle_bytes += backing.size
+            self._bound()
 
     def restore(self, inode: int, backing_id: int) -> None:
         """A backing id a previous daemon registered for ``inode`` (pinned until its FORGET)."""
@@ -111,8 +121,17 @@ class Backings:
         elif backing.opens == 0 and backing.exact is not None:
             self._idle[inode] = backing
             self._idle_bytes += backing.size
-            while self._idle and (len(self._idle) > self.max_idle or self._idle_bytes > self.max_idle_bytes):
-                self._drop(next(iter(self._idle)))
+            self._bound()
+
+    def _bound(self) -> None:
+        while self._idle and (len(self._idle) > self.max_idle or self._idle_bytes > self.max_idle_bytes):
+            self._drop(next(iter(self._idle)))
+
+    @property
+    def ahead(self) -> bool:
+        """Whether a looked-up file's backing is worth registering before its open: the loop
+        processes then answer that open by themselves."""
+        return self._loops is not None
 
     def blocked(self, inode: int) -> bool:
         """``inode`` has a backing no open may use (stale) that the kernel may still read through:

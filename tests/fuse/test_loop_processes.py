@@ -130,6 +130,31 @@ def test_loop_processes_answer_opens_releases_and_isatty_of_handed_over_files(da
     assert exported["release"] == sum(loop["releases"] for loop in status["loops"])
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["open-ahead", "no-open-ahead"])
+def test_a_looked_up_file_is_opened_by_a_loop_the_first_time_too(dataset, mount_factory, ahead):
+    """After a remount each file's backing is registered when it is looked up (its sealed cache
+    file at hand), so even its first open is answered by a loop: the daemon sees no OPEN
+    (``--no-fuse-open-ahead``: each first open goes to the daemon). A backing registered for a
+    lookup is closed when the kernel forgets the inode."""
+    mnt = warmed(mount_factory, dataset, *(() if ahead else ("--no-fuse-open-ahead",)))
+    opens = mnt.status()["fuse"]["by_opcode"].get("open", 0)      # the control file's (each status call)
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    by_daemon = 0 if ahead else len(FILES)
+    assert mnt.status()["fuse"]["by_opcode"].get("open", 0) == opens + 1 + by_daemon, mnt.status()["fuse"]
+    status = loop_status(mnt)
+    assert sum(loop["opens"] for loop in status["loops"]) == len(FILES) - by_daemon, status
+    assert status["open_files"] == 0 and status["published"] == len(FILES), status
+    os.stat(mnt / "c0/f000.jpg")
+    subprocess.run(["sh", "-c", "echo 2 > /proc/sys/vm/drop_caches"], check=True)     # FORGET every inode
+    deadline = time.monotonic() + 20
+    while loop_status(mnt)["published"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert loop_status(mnt)["published"] == 0, loop_status(mnt)
+    opens = mnt.status()["fuse"]["by_opcode"].get("open", 0)
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    assert mnt.status()["fuse"]["by_opcode"].get("open", 0) == opens + 1 + by_daemon
+
+
 @pytest.mark.parametrize("extra,processes", [(("--immutable",), True), (("--immutable", "--fuse-loop-kind", "thread"), False),
                                              ((), False)])
 def test_loops_are_processes_by_default_where_they_can_answer_alone(dataset, mount_factory, extra, processes):
