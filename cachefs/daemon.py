@@ -173,6 +173,7 @@ class Daemon:
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
                 "packed_crc_errors": int(m.counter_value("cachefs_packed_crc_errors_total")),
                 "listing": self.lister.status() if self.lister else None,
+                "open_files": len(self.vfs.handles),
                 "fuse": self.fuse.status(),
                 "loader_fds": ({"socket": str(self.loader_channel.path), "served": self.loader_channel.served,
                                 "warms": self.loader_channel.warms}

@@ -69,6 +69,8 @@ class Control:
     def open(self, ctx: Any) -> int:
         """A new session for the caller of this FUSE ``open`` (``ctx``: uid, gid, pid)."""
         fh = self._new_fh()
+        while fh in self._sessions:          # handle numbers wrap: never one a live session has
+            fh = self._new_fh()
         self._sessions[fh] = _Session(Caller.of(ctx))
         return fh
 

@@ -3,7 +3,9 @@
 A handle number names its inode (``make_fh``): the daemon that takes over a live mount serves a
 handle the kernel opened with its predecessor by rebuilding it from the inode (``Vfs.handle``).
 Bits 0-39 are the inode, 40-47 the daemon's generation (one per takeover, so a new handle never
-equals one its predecessor gave out), 48-63 a sequence number.
+equals one its predecessor gave out), 48-62 a sequence number. Bit 63 is never set: it marks the
+handles request-loop processes give out (``fuse/looptable.py``, ``LOOP_FH``), whose releases and
+ioctls are answered without a handle here.
 """
 
 from cachefs.namespace.nodes import Node
@@ -15,7 +17,7 @@ _INODE_MASK = (1 << INODE_BITS) - 1
 
 
 def make_fh(inode: int, generation: int, seq: int) -> int:
-    return (seq & 0xFFFF) << 48 | (generation & 0xFF) << INODE_BITS | (inode & _INODE_MASK)
+    return (seq & 0x7FFF) << 48 | (generation & 0xFF) << INODE_BITS | (inode & _INODE_MASK)
 
 
 def fh_inode(fh: int) -> int:

@@ -119,3 +119,24 @@ def test_request_loops_on_cloned_descriptors_serve_concurrent_readers(tmp_path, 
     log = (mnt.cache_dir / "cachefs.log").read_text()
     assert (f"{loops} extra FUSE request loop(s)" in log) == bool(loops)
     mnt.umount()
+
+
+@pytest.mark.parametrize("passthrough", ["auto", "off"])
+def test_handles_stay_releasable_past_32768_opens(tmp_path, mount_factory, passthrough):  # noqa: F811
+    """A handle number's top bit marks a loop process's handle: once a daemon had given out
+    32,768 handles its own numbers had it, so no RELEASE freed a handle again and the control
+    file's ioctls answered ENOTTY (`cachefs status` failed)."""
+    write_tree(tmp_path / "data")
+    mnt = mount_factory(f"file://{tmp_path / 'data'}", "--immutable", "--passthrough", passthrough).start()
+    paths = [str(mnt / path) for path in sorted(FILES)]
+
+    def opener(seed: int) -> None:
+        for path in random.Random(seed).choices(paths, k=10_000):
+            os.close(os.open(path, os.O_RDONLY))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(opener, range(4)))
+    status = mnt.status()                             # the control file's ioctls reach the daemon
+    assert status["fuse"]["by_opcode"]["open"] >= 40_000 and status["open_files"] == 0, status["fuse"]
+    assert all((mnt / path).read_bytes() == data for path, data in FILES.items())
+    mnt.umount()

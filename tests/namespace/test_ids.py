@@ -12,6 +12,7 @@ from kernel_free import TREE, WriteCountingStore, build_vfs, listdir, make_stack
 from memory_stores import MemoryBucket, make_cache
 
 from cachefs.control.server import Control
+from cachefs.fuse.looptable import LOOP_FH
 from cachefs.fuse.types import Context
 from cachefs.fuse_ops import Operations
 from cachefs.metrics import Metrics
@@ -126,6 +127,15 @@ def test_a_handle_number_names_its_inode():
     fh = make_fh(123456789, 3, 70_000)
     assert fh_inode(fh) == 123456789 and fh < 1 << 64
     assert make_fh(5, 0, 1) != make_fh(5, 1, 1)        # another generation: another number
+
+
+def test_no_handle_number_the_daemon_gives_out_looks_like_a_loop_processes():
+    """Bit 63 marks a loop process's handle, whose RELEASE and ioctls the daemon answers without
+    a handle: once 32,768 files had been opened in a daemon's life, every handle it gave out had
+    it, so none was released again and the control file's ioctls answered ENOTTY."""
+    for seq in (1, 0x7FFF, 0x8000, 0xFFFF, 1 << 20, (1 << 20) + 0x8000):
+        fh = make_fh((1 << 40) - 1, 255, seq)
+        assert not fh & LOOP_FH and fh_inode(fh) == (1 << 40) - 1, hex(fh)
 
 
 def _vfs(store, ids, generation, wb=None) -> Vfs:
