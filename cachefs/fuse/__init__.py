@@ -1,16 +1,15 @@
 """The FUSE layer: the kernel protocol over ``/dev/fuse`` (``session``), mounting (``mount``),
 the handler types (``types``), and the pyfuse3 fallback (``pyfuse3_backend``).
 
-The session (and trio with it) is imported on first use: a request-loop process
-(``loop_worker``) imports this package for the table it answers from, and nothing heavier.
+The session (and trio with it), mounting and the handler types are imported on first use: a
+request-loop process (``loop_worker``) imports this package for the table it answers from, and
+nothing heavier (it starts while readers wait on a daemon that took a mount over).
 
 ``backend(name)`` returns what the daemon mounts and serves with: ``cachefs`` (our own session,
 the default) or ``pyfuse3``. Both take the same ``fuse_ops.Operations``.
 """
 
 from cachefs.fuse import abi
-from cachefs.fuse.mount import MountOptions
-from cachefs.fuse.types import Attr, Context, DirReply, FileInfo, FuseError, SetattrFields, StatFs
 
 __all__ = ["Attr", "CachefsBackend", "Context", "DirReply", "FileInfo", "FuseError", "MountOptions", "Session",
            "SessionOptions", "SetattrFields", "StatFs", "backend"]
@@ -27,6 +26,7 @@ class CachefsBackend:
         self.kernel = self.session
 
     def mount(self, ops, mountpoint: str, *, allow_other: bool, read_only: bool) -> None:
+        from cachefs.fuse.mount import MountOptions
         self.ops = ops
         self.session.mount(mountpoint, MountOptions(allow_other=allow_other, read_only=read_only))
 
@@ -61,6 +61,12 @@ def __getattr__(name: str):
     if name in ("Session", "SessionOptions"):
         from cachefs.fuse import session
         return getattr(session, name)
+    if name == "MountOptions":
+        from cachefs.fuse import mount
+        return mount.MountOptions
+    if name in ("Attr", "Context", "DirReply", "FileInfo", "FuseError", "SetattrFields", "StatFs"):
+        from cachefs.fuse import types
+        return getattr(types, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from cachefs.fuse.looptable import LoopTable
+from cachefs.fuse.looptable import READY, LoopTable
 
 log = logging.getLogger("cachefs.fuse.session")
 
@@ -48,6 +48,7 @@ class Loop:
     sock: socket.socket
     proc: subprocess.Popen
     gone: bool = False
+    ready: bool = False                       # it reads requests (it said so: ``READY``)
 
 
 @dataclass(slots=True)
@@ -70,16 +71,22 @@ class LoopProcesses:
         self.ticks: list[Callable[[], None]] = []     # called every TICK (Backings.sweep)
         self.forwarded = 0
         self.unmounted = False                    # a loop found the connection gone
-        self._changed = trio.Event()              # set when a loop exits
+        self._changed = trio.Event()              # set when a loop starts reading or exits
+        self.on_ready: Callable[[], None] | None = None     # called when a loop starts reading
 
     @property
     def reading(self) -> bool:
-        """Some loop still reads requests (else the session's own loop reads them)."""
-        return any(not loop.gone for loop in self.loops)
+        """Some loop reads requests (else the session's own loop reads them: also while the loops
+        start, a Python process each, or a new mount and a hand-over would wait for them)."""
+        return any(loop.ready and not loop.gone for loop in self.loops)
 
     async def changed(self) -> None:
-        """Until a loop exits."""
+        """Until a loop starts reading or exits."""
         await self._changed.wait()
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
     # ---- the processes ---------------------------------------------------------------------------
     def start(self, fds: list[int]) -> None:
@@ -123,6 +130,13 @@ class LoopProcesses:
             if not length:
                 self._lost(loop)
                 return
+            if length == len(READY) and view[:length] == READY:      # (a request is 40 bytes at least)
+                loop.ready = True
+                log.debug("request loop process %d reads requests", loop.index)
+                self._change()
+                if self.on_ready is not None:
+                    self.on_ready()
+                continue
             self.forwarded += 1
             self._dispatch(memoryview(bytes(view[:length])), loop.fd)    # its own copy: a task may keep it
 
@@ -145,8 +159,7 @@ class LoopProcesses:
                 self._resend()
             except Exception as exc:  # noqa: BLE001  (a connection going away: its readers get ENOTCONN anyway)
                 log.warning("cannot ask the kernel to send the lost loop's requests again: %s", exc)
-        self._changed.set()
-        self._changed = trio.Event()
+        self._change()
 
     def stop(self) -> None:
         """Kill the loops (a hand-over, an unmount): what they had read is sent again to whoever
@@ -214,7 +227,8 @@ class LoopProcesses:
         """Each loop's pid and what it answered; the files the loops' opens keep open now."""
         opened = sum(sum(row) for row in self.table.opened)
         released = sum(sum(row) for row in self.table.released)
-        return {"loops": [{"pid": loop.proc.pid, "running": not loop.gone, **self.table.stats(loop.index)}
+        return {"loops": [{"pid": loop.proc.pid, "running": not loop.gone, "reading": loop.ready and not loop.gone,
+                           **self.table.stats(loop.index)}
                           for loop in self.loops],
                 "open_files": (opened - released) & 0xFFFFFFFF, "forwarded": self.forwarded,
                 "published": self.table.slots - len(self._free)}

@@ -18,9 +18,10 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 from cachefs.fuse import abi
-from cachefs.fuse.looptable import LOOP_FH, LoopTable
+from cachefs.fuse.looptable import LOOP_FH, READY, LoopTable
 
 _PR_SET_PDEATHSIG = 1
 _OPEN_REFUSED = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
@@ -114,6 +115,11 @@ def main(argv: list[str]) -> int:
     table = LoopTable.attach(table_fd)
     if not 1 <= loop <= table.loops:
         return 2
+    time.sleep(float(os.environ.get("CACHEFS_TEST_LOOP_START", 0)))     # tests: a loop slow to start
+    try:
+        sock.send(READY)              # the daemon's own loop stops reading once one loop does
+    except OSError:
+        return 1
     return serve(fuse_fd, sock, table, loop)
 
 

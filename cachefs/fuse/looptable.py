@@ -32,6 +32,7 @@ LOOP_FH = 1 << 63                         # the bit of a handle a loop process g
 HEADER = 4096
 SEQ_STRIDE = 64                           # one cache line per loop: seq, then its counters
 STATS = ("opens", "releases", "ioctls", "forwarded")
+READY = b"ready"                          # a loop's first message on its socket: it reads requests now
 
 
 class LoopTable:

@@ -339,10 +339,13 @@ class Session(Opcodes):
         started = getattr(self.ops, "loops_started", None)
         if started is not None:
             started(self.procs)
+        procs.on_ready = self._stop_waiting     # our loop stops reading once one of them reads (_loop)
         self._nursery.start_soon(self.procs.run)
-        if self._waiting is not None:
-            self._waiting.cancel()              # the request loop stops reading (see _loop)
         return True
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting.cancel()
 
     def _forwarded(self, data: memoryview, fd: int) -> None:
         """A request a loop process read and left to us: answered on its descriptor."""

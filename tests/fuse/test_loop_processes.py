@@ -94,14 +94,46 @@ def loop_status(mnt) -> dict:
     return status
 
 
+def reading(mnt, timeout: float = 20.0) -> dict:
+    """Once every loop reads requests (each is a Python process that starts; the daemon reads
+    them itself until then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = loop_status(mnt)
+        if all(loop["reading"] for loop in status["loops"]):
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+
+
 def warmed(mount_factory, dataset, *extra):
     """A mount with loop processes over a cache already holding every file (a second daemon: its
-    first opens hand sealed files over)."""
+    first opens hand sealed files over), its loops reading."""
     url, args = dataset
     mnt = mount_factory(url, *args, *LOOPS, *extra).start()
     assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
     mnt.umount()
-    return mnt.start()
+    reading(mnt.start())
+    return mnt
+
+
+def test_the_daemon_reads_requests_until_a_loop_does(dataset, mount_factory, monkeypatch):
+    """Loops that take 4 s to start cost readers nothing: the daemon answers meanwhile (it stops
+    reading only once a loop reads), then the loops answer."""
+    url, args = dataset
+    mnt = mount_factory(url, *args, *LOOPS).start()
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES       # the cache filled
+    mnt.umount()
+    monkeypatch.setenv("CACHEFS_TEST_LOOP_START", "4")
+    mnt.start()
+    started = time.monotonic()
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    assert time.monotonic() - started < 3, "the readers waited for the loops"
+    assert not any(loop["reading"] for loop in loop_status(mnt)["loops"])
+    status = reading(mnt)
+    before = sum(loop["opens"] for loop in status["loops"])
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    assert sum(loop["opens"] for loop in loop_status(mnt)["loops"]) >= before + len(FILES) - 2
 
 
 def test_loop_processes_answer_opens_releases_and_isatty_of_handed_over_files(dataset, mount_factory, tmp_path):
