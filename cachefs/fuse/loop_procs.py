@@ -61,9 +61,10 @@ class Closing:
 
 class LoopProcesses:
     def __init__(self, dispatch: Callable[[memoryview, int], None], resend: Callable[[], None], *,
-                 count: int, nonce: int, slots: int = 81920) -> None:
+                 count: int, nonce: int, slots: int = 81920, ready: Callable[[], None] = lambda: None) -> None:
         self._dispatch = dispatch
         self._resend = resend
+        self._ready = ready                       # called when a loop starts reading
         self.table = LoopTable.create(loops=count, slots=slots, nonce=nonce)
         self.loops: list[Loop] = []
         self._free = list(range(slots - 1, -1, -1))
@@ -72,7 +73,6 @@ class LoopProcesses:
         self.forwarded = 0
         self.unmounted = False                    # a loop found the connection gone
         self._changed = trio.Event()              # set when a loop starts reading or exits
-        self.on_ready: Callable[[], None] | None = None     # called when a loop starts reading
 
     @property
     def reading(self) -> bool:
@@ -134,8 +134,7 @@ class LoopProcesses:
                 loop.ready = True
                 log.debug("request loop process %d reads requests", loop.index)
                 self._change()
-                if self.on_ready is not None:
-                    self.on_ready()
+                self._ready()
                 continue
             self.forwarded += 1
             self._dispatch(memoryview(bytes(view[:length])), loop.fd)    # its own copy: a task may keep it

@@ -326,8 +326,9 @@ class Session(Opcodes):
         fds = [fd for fd in (self._clone() for _ in range(self.options.loops)) if fd is not None]
         if not fds:
             return False
+        # our loop stops reading once one of them reads (``_loop``, ``_stop_waiting``)
         procs = LoopProcesses(self._forwarded, lambda: self._notify(abi.NOTIFY_RESEND, []), count=len(fds),
-                              nonce=new_nonce())
+                              nonce=new_nonce(), ready=self._stop_waiting)
         try:
             procs.start(fds)
         except OSError as exc:
@@ -339,7 +340,6 @@ class Session(Opcodes):
         started = getattr(self.ops, "loops_started", None)
         if started is not None:
             started(self.procs)
-        procs.on_ready = self._stop_waiting     # our loop stops reading once one of them reads (_loop)
         self._nursery.start_soon(self.procs.run)
         return True
 
