@@ -42,7 +42,6 @@ class LoopRequests:
         return [family]
 
 
-
 class TimingCache(dict):
     """Each operation's count and latency (``metrics.OperationTimes``), resolved once by name."""
 

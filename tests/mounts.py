@@ -138,6 +138,30 @@ class Mount:
                 _wait_gone(pid)
 
 
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` (made here), always unmounted (lazily if busy)."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(path: Path) -> None:
+    """Take every byte a filesystem has left, in the new file ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0" * 4096):
+                pass
+    finally:
+        os.close(fd)
+    assert os.statvfs(path).f_bavail == 0
+
+
 def _wait_gone(pid: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process_alive(pid):

@@ -5,12 +5,11 @@ keeps serving (docs/design.md, invariant 4)."""
 import errno
 import os
 import random
-import subprocess
 import time
 from urllib.parse import urlparse
 
 import pytest
-from mounts import put_tree
+from mounts import put_tree, tmpfs
 
 from testing.latency_proxy import LatencyProxy
 from testing.s3 import s3_client
@@ -81,13 +80,8 @@ def test_hung_request_times_out(proxied, mount_factory):
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A 1 MiB tmpfs for the cache dir, always unmounted."""
-    path = tmp_path / "tiny"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], check=True)
-    try:
+    with tmpfs(tmp_path / "tiny", "1m") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_full_cache_disk_never_fails_a_read(proxied, mount_factory, tiny_fs):

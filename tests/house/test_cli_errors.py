@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mounts import cachefs
+from mounts import cachefs, fill, tmpfs
 
 from cachefs import host
 from cachefs.cli import main
@@ -106,22 +106,9 @@ def dataset(s3_server, bucket):
 @pytest.fixture
 def full_fs(tmp_path: Path):
     """A 64 KiB tmpfs filled to the last byte; always unmounted."""
-    path = tmp_path / "full"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], check=True)
-    try:
-        fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            with contextlib.suppress(OSError):
-                while os.write(fd, b"\0" * 4096):
-                    pass
-        finally:
-            os.close(fd)
-        assert os.statvfs(path).f_bavail == 0
+    with tmpfs(tmp_path / "full", "64k") as path:
+        fill(path / "filler")
         yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 # --- usage errors: 2 --------------------------------------------------------------------------
