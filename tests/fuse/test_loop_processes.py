@@ -118,17 +118,17 @@ def warmed(mount_factory, dataset, *extra):
 
 
 def test_the_daemon_reads_requests_until_a_loop_does(dataset, mount_factory, monkeypatch):
-    """Loops that take 4 s to start cost readers nothing: the daemon answers meanwhile (it stops
+    """Loops that take 8 s to start cost readers nothing: the daemon answers meanwhile (it stops
     reading only once a loop reads), then the loops answer."""
     url, args = dataset
     mnt = mount_factory(url, *args, *LOOPS).start()
     assert {name: (mnt / name).read_bytes() for name in FILES} == FILES       # the cache filled
     mnt.umount()
-    monkeypatch.setenv("CACHEFS_TEST_LOOP_START", "4")
+    monkeypatch.setenv("CACHEFS_TEST_LOOP_START", "8")
     mnt.start()
     started = time.monotonic()
     assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
-    assert time.monotonic() - started < 3, "the readers waited for the loops"
+    assert time.monotonic() - started < 5, "the readers waited for the loops"
     assert not any(loop["reading"] for loop in loop_status(mnt)["loops"])
     status = reading(mnt)
     before = sum(loop["opens"] for loop in status["loops"])
