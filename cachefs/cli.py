@@ -66,7 +66,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         print(f"cachefs: {cfg.url} was mounted at {cfg.mountpoint}: handed to a new daemon (pid {done.new_pid}, "
               f"was {done.old_pid}) in {done.seconds:.2f} s, without unmounting", file=sys.stderr)
         return 0
-    warning = check_cache_fs(cfg.cache_dir, cfg.cache_size, cfg.staging_path)
+    warning = check_cache_fs(cfg.cache_dir, cfg.cache_size, cfg.staging_path, cfg.disk_path)
     if warning:
         print(f"cachefs: warning: {warning}", file=sys.stderr)
     if cfg.foreground:

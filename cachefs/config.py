@@ -232,6 +232,11 @@ class MountConfig:
         return self.log_file or os.path.join(self.cache_dir, "cachefs.log")
 
     @property
+    def disk_path(self) -> str:
+        """The disk tier's directory (its block files, and their temporary files)."""
+        return os.path.join(self.cache_dir, "blocks")
+
+    @property
     def staging_path(self) -> str:
         return self.staging_dir or os.path.join(self.cache_dir, "staging")
 

@@ -225,7 +225,7 @@ def serve(cfg: MountConfig, on_ready: Callable[[], None], link: Link | None = No
         check_fuse()
         if not takeover:
             check_mountpoint(cfg.mountpoint)
-        warning = check_cache_fs(cfg.cache_dir, cfg.cache_size, cfg.staging_path)
+        warning = check_cache_fs(cfg.cache_dir, cfg.cache_size, cfg.staging_path, cfg.disk_path)
         if warning:
             log.warning("%s", warning)
         lock = CacheDirLock(cfg.cache_dir)

@@ -114,12 +114,13 @@ def _unescape(field: str) -> str:
 MIN_CACHE_FS_FREE = 1 << 20
 
 
-def check_cache_fs(cache_dir: str, cache_size: int, staging_dir: str | None = None) -> str | None:
+def check_cache_fs(cache_dir: str, cache_size: int, staging_dir: str, disk_dir: str) -> str | None:
     """Refuse a cache dir whose filesystem is full (under 1 MiB available to a normal user: the
-    root reserve is not for caches) unless it holds what cachefs itself can free: staged writes
-    (the daemon uploads them, and must, or acknowledged writes would be stranded) or cached blocks
-    (it evicts them); then start with a warning. Also warn when ``cache_size`` exceeds the whole
-    filesystem (the disk tier then stops at the free-space floor instead)."""
+    root reserve is not for caches) unless it holds what cachefs itself can free: staged writes in
+    ``staging_dir`` (the daemon uploads them, and must, or acknowledged writes would be stranded)
+    or the disk tier's blocks under ``disk_dir`` (it evicts them); then start with a warning. Also warn
+    when ``cache_size`` exceeds the whole filesystem (the disk tier then stops at the free-space
+    floor instead)."""
     path = cache_dir
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
@@ -129,9 +130,9 @@ def check_cache_fs(cache_dir: str, cache_size: int, staging_dir: str | None = No
         raise CacheDirError(f"cache dir {cache_dir}: {exc.strerror}") from None
     available, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     if available < MIN_CACHE_FS_FREE:
-        staging = staging_dir or os.path.join(cache_dir, "staging")
-        held = [what for what, where in (("staged writes to upload", staging),
-                                         ("cached blocks to evict", os.path.join(cache_dir, "blocks", "blocks")))
+        held = [what for what, where in (("staged writes to upload", staging_dir),
+                                         # the block files (``tiers/disk/index.Layout``: ``blocks/`` under it)
+                                         ("cached blocks to evict", os.path.join(disk_dir, "blocks")))
                 if _holds_a_file(where)]
         if not held:
             raise CacheDirError(f"cache dir {cache_dir}: its filesystem is full ({available} bytes available of "

@@ -95,9 +95,7 @@ class Backings:
         self.by_inode[inode] = backing = Backing(backing_id, exact, opens=opens, inode=inode)
         self._publish(backing)
         if opens == 0:
-            self._idle[inode] = backing
-            self._idle_bytes += backing.size
-            self._bound()
+            self._rest(inode, backing)
 
     def restore(self, inode: int, backing_id: int) -> None:
         """A backing id a previous daemon registered for ``inode`` (pinned until its FORGET)."""
@@ -119,11 +117,12 @@ class Backings:
             self._idle_bytes += backing.size
             self._drop(inode)
         elif backing.opens == 0 and backing.exact is not None:
-            self._idle[inode] = backing
-            self._idle_bytes += backing.size
-            self._bound()
+            self._rest(inode, backing)
 
-    def _bound(self) -> None:
+    def _rest(self, inode: int, backing: Backing) -> None:
+        """``backing`` has no open handle: kept idle, the oldest idle ones closed past the bounds."""
+        self._idle[inode] = backing
+        self._idle_bytes += backing.size
         while self._idle and (len(self._idle) > self.max_idle or self._idle_bytes > self.max_idle_bytes):
             self._drop(next(iter(self._idle)))
 

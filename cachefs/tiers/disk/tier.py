@@ -48,7 +48,7 @@ class DiskTier:
     def from_config(cls, cfg, metrics: Metrics, *, exact_files: bool) -> DiskTier:
         """The disk tier of a mount (``cfg``: its MountConfig) under its cache dir; queued fills
         bounded by a quarter of the memory tier, at most 256 MiB."""
-        return cls(os.path.join(cfg.cache_dir, "blocks"), capacity=cfg.cache_size,
+        return cls(cfg.disk_path, capacity=cfg.cache_size,
                    free_space_ratio=cfg.free_space_ratio, metrics=metrics, fsync=cfg.fsync_cache_files,
                    fill_workers=cfg.fill_workers, direct_io=cfg.cache_direct_io, exact_files=exact_files,
                    max_pending_fill_bytes=min(cfg.mem_cache_size // 4, 256 << 20), seals=cfg.passthrough_seals)
