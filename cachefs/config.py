@@ -142,11 +142,14 @@ class MountConfig:
         "help": "what the extra request loops are: process (each answers by itself the opens of files handed "
                 "to the kernel, and their releases, with no GIL shared with the daemon; the rest goes to the "
                 "daemon: --immutable mounts with passthrough on Linux 6.9+), thread (they read requests for the "
-                "one thread that answers them), or auto: processes where they can run, else threads"})
+                "one thread that answers them), or auto: processes where they can run, else threads. Where "
+                "processes could run, the daemon's own loop answers those opens from their table too, even "
+                "with no extra loop (thread: never)"})
     fuse_open_ahead: bool = field(default=True, metadata={
-        "help": "where request loops are processes: a file looked up while its verified cache file is at "
-                "hand gets its backing at the LOOKUP, so a loop answers even its first open (off: first opens "
-                "go to the daemon; for scans that look up many files they never open)"})
+        "help": "on --immutable mounts with passthrough: a file looked up while its verified cache file is "
+                "at hand gets its backing at the LOOKUP, so even its first open is answered from the loops' "
+                "table (by a loop process, or the daemon's own loop) rather than by the open's full path (off: "
+                "first opens take that path; for scans that look up many files they never open)"})
     fuse_max_background: int = field(default=64, metadata={
         "help": "kernel FUSE max_background (concurrent async requests)"})
     passthrough: str = field(default="auto", metadata={

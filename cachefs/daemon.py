@@ -160,6 +160,8 @@ class Daemon:
                 if sample.name.endswith("_total"):
                     key = f"{sample.labels['op']} {sample.labels['status']}"
                     requests[key] = int(sample.value)
+        fuse = self.fuse.status()
+        table = fuse.get("loop_processes") or {}      # files opened from the loops' table hold no handle here
         return {"version": __version__, "pid": os.getpid(), "url": self.cfg.url,
                 "mountpoint": self.cfg.mountpoint, "cache_dir": self.cfg.cache_dir,
                 "options": {name: getattr(self.cfg, name) for name in FIXED_OPTIONS},
@@ -173,8 +175,8 @@ class Daemon:
                 "corrupt_blocks": int(m.counter_value("cachefs_corrupt_blocks_total")),
                 "packed_crc_errors": int(m.counter_value("cachefs_packed_crc_errors_total")),
                 "listing": self.lister.status() if self.lister else None,
-                "open_files": len(self.vfs.handles),
-                "fuse": self.fuse.status(),
+                "open_files": len(self.vfs.handles) + table.get("open_files", 0),
+                "fuse": fuse,
                 "loader_fds": ({"socket": str(self.loader_channel.path), "served": self.loader_channel.served,
                                 "warms": self.loader_channel.warms}
                                if self.loader_channel is not None and self.loader_channel.listening else None),

@@ -21,17 +21,22 @@ class FuseMetrics:
 class LoopRequests:
     """What the request loop processes (``--fuse-loop-kind process``) did with the requests they
     read, from their shared table at scrape time: answered there (open, release, ioctl) or sent to
-    the daemon (forwarded). Opens answered there are passthrough opens the daemon never sees."""
+    the daemon (forwarded). Opens answered there are passthrough opens the daemon never sees. And
+    what the daemon's own loop answered from that table (the opens of published backings, and the
+    releases of the loops' handles it read), with or without loop processes."""
 
     _name, _help = "cachefs_fuse_loop_requests", "Requests the FUSE loop processes read, by what became of them"
-    _labelnames = ("answer",)
+    _daemon, _daemon_help = ("cachefs_fuse_table_requests",
+                             "Requests the daemon's own FUSE loop answered from the loops' table (no operation run)")
+    _labelnames = ("answer",)         # (both families: metrics_table)
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.source = None            # the loops (cachefs/fuse/loop_procs.py) once they run
         registry.register(self)
 
     def describe(self):
-        return [CounterMetricFamily(self._name, self._help, labels=["answer"])]
+        return [CounterMetricFamily(self._name, self._help, labels=["answer"]),
+                CounterMetricFamily(self._daemon, self._daemon_help, labels=["answer"])]
 
     def collect(self):
         family = CounterMetricFamily(self._name, self._help, labels=["answer"])
@@ -39,7 +44,11 @@ class LoopRequests:
         for answer, kind in (("open", "opens"), ("release", "releases"), ("ioctl", "ioctls"),
                              ("forwarded", "forwarded")):
             family.add_metric([answer], totals.get(kind, 0))
-        return [family]
+        daemon = CounterMetricFamily(self._daemon, self._daemon_help, labels=["answer"])
+        here = self.source.table.stats(0) if self.source is not None else {}
+        for answer, kind in (("open", "opens"), ("release", "releases")):
+            daemon.add_metric([answer], here.get(kind, 0))
+        return [family, daemon]
 
 
 class TimingCache(dict):

@@ -214,9 +214,9 @@ class Operations:
         return self._register_backing(inode, self.vfs.blocks.exact_file_now(version))
 
     def _ahead(self, node: Node) -> Node:
-        """Where loop processes answer opens, register the backing of a looked-up file whose
-        verified cache file is at hand (no disk read) before the LOOKUP is answered: its OPEN,
-        which follows at once, is then answered by a loop (fuse/backing.py)."""
+        """Where opens are answered from the loops' table, register the backing of a looked-up
+        file whose verified cache file is at hand (no disk read) before the LOOKUP is answered: its
+        OPEN, which follows at once, is then answered from the table (fuse/backing.py)."""
         if (not (self.open_ahead and self.backings.ahead) or node.is_dir or node.size >= self.vfs.blocks.block_size or node.opens
                 or node.restored or node.inode in self.backings.by_inode):
             return node             # (a large file's whole-object file is not assembled for a lookup)
@@ -298,9 +298,17 @@ class Operations:
             log.warning("a handed-over cache file (%s) failed its scrub: its backing answers no more opens; the "
                         "object is fetched again", digest[:16])
 
+    def table_opened(self, inode: int) -> None:
+        """The session answered an open of ``inode`` from the loops' table (its published backing,
+        no handle here): counted as the passthrough open it is."""
+        self.served.passthrough_opens.inc()
+        node = self.vfs.find_node(inode)
+        if node is not None:
+            self.served.read_bytes.inc(node.size)
+
     def loops_started(self, loops) -> None:
-        """Request loop processes run (cachefs/fuse/loop_procs.py): they answer the opens of every
-        inode with a backing by themselves from now on."""
+        """The loops' table is kept (cachefs/fuse/loop_procs.py): the opens of every inode with a
+        backing are answered from it from now on (by the loop processes, if any, and the session)."""
         self.backings.attach(loops)
         self.metrics.loop_requests.source = loops
 

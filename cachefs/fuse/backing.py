@@ -11,14 +11,17 @@ id: no syscall, no verification. Such idle backings keep their cache files held 
 so they are bounded (``max_idle`` of them, ``max_idle_bytes`` of files); past either, the oldest
 are closed.
 
-Where request loops run as processes (``loop_procs.py``), every backing is published for them to
-answer opens with (``attach``). Closing one then waits: it is taken out of the loops' table and
-kept, still answering the daemon's own opens of its inode, until no loop can still answer an open
-with it and every file the loops opened on it is released (``sweep``, ticked by the loops).
+Where request loops can run as processes (``loop_procs.py``; an ``--immutable`` mount with
+passthrough), every backing is published in their table for them, and the daemon's own loop, to
+answer opens with (``attach``), with or without loop processes. Closing one then waits: it is
+taken out of the table and kept, still answering the daemon's full-path opens of its inode, until
+no loop can still answer an open with it and every file opened from the table on it is released
+(``sweep``, ticked by the loops).
 
 There a backing is also registered ahead, when a file is looked up and its verified cache file is
-at hand (``add`` with no open): the OPEN that follows is answered by a loop and never reaches the
-daemon. It starts idle, so it is bounded and closed like any idle one.
+at hand (``add`` with no open): the OPEN that follows is answered from the table (by a loop, or by
+the daemon's loop with no operation run). It starts idle, so it is bounded and closed like any
+idle one.
 
 A backing id lives in the connection, not in the daemon: one a previous daemon of the mount
 registered is taken over (``restore``) and answers every open of its inode from then on. How many
@@ -128,8 +131,8 @@ class Backings:
 
     @property
     def ahead(self) -> bool:
-        """Whether a looked-up file's backing is worth registering before its open: the loop
-        processes then answer that open by themselves."""
+        """Whether a looked-up file's backing is worth registering before its open: that open is
+        then answered from the loops' table (a loop process's, or the daemon's lean path)."""
         return self._loops is not None
 
     def blocked(self, inode: int) -> bool:

@@ -19,6 +19,9 @@ alive while an open may still be answered with it) holds across processes this w
 
 Loops run only where what they answer cannot change: an ``--immutable`` mount with passthrough
 and a kernel that can send requests again (Linux 6.9+). Elsewhere the session keeps thread loops.
+The table is made wherever they could run, with no process too (``count`` 0, a mount with no
+extra loops): the daemon's own loop then answers the opens of published backings from it the
+same lean way (``open_here``).
 """
 
 import errno
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from cachefs.fuse import abi
 from cachefs.fuse.looptable import READY, LoopTable
 
 log = logging.getLogger("cachefs.fuse.session")
@@ -90,7 +94,10 @@ class LoopProcesses:
 
     # ---- the processes ---------------------------------------------------------------------------
     def start(self, fds: list[int]) -> None:
-        """One loop process per descriptor in ``fds`` (clones of the session's)."""
+        """One loop process per descriptor in ``fds`` (clones of the session's; none: the table only)."""
+        if not fds:
+            log.debug("FUSE opens of published backings answered from the loop table by the daemon's loop")
+            return
         for index, fd in enumerate(fds, start=1):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             for sock in (ours, theirs):
@@ -214,6 +221,12 @@ class LoopProcesses:
         """The session read the RELEASE of a loop's handle."""
         self.table.released_here(fh)
 
+    def open_here(self, inode: int, flags: int) -> bytes | None:
+        """The daemon's answer to an OPEN of ``inode`` from the table (``OPEN_OUT``), or None: the
+        open goes the usual way."""
+        found = self.table.open_here(inode, flags)
+        return None if found is None else abi.OPEN_OUT.pack(found[0], abi.FOPEN_PASSTHROUGH, found[1])
+
     def totals(self) -> dict[str, int]:
         """What every loop answered and forwarded, summed (the metrics)."""
         totals: dict[str, int] = {}
@@ -229,6 +242,7 @@ class LoopProcesses:
         return {"loops": [{"pid": loop.proc.pid, "running": not loop.gone, "reading": loop.ready and not loop.gone,
                            **self.table.stats(loop.index)}
                           for loop in self.loops],
+                "daemon": {k: n for k, n in self.table.stats(0).items() if k in ("opens", "releases")},    # from the table
                 "open_files": (opened - released) & 0xFFFFFFFF, "forwarded": self.forwarded,
                 "published": self.table.slots - len(self._free)}
 

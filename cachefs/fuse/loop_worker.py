@@ -21,10 +21,9 @@ import sys
 import time
 
 from cachefs.fuse import abi
-from cachefs.fuse.looptable import LOOP_FH, READY, LoopTable
+from cachefs.fuse.looptable import LOOP_FH, OPEN_REFUSED, READY, LoopTable
 
 _PR_SET_PDEATHSIG = 1
-_OPEN_REFUSED = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 _OPEN_ANSWER = abi.OUT_HEADER.size + abi.OPEN_OUT.size
 _HEAD = struct.Struct("<IIQQ")           # len, opcode, unique, nodeid: what a loop reads of a request
 _OPEN_FLAGS = struct.Struct("<I")
@@ -63,7 +62,7 @@ def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int
         try:
             if opcode == OPEN:
                 entry = inode[nodeid] if nodeid < inodes else 0
-                if entry and not open_flags(view, body)[0] & _OPEN_REFUSED:
+                if entry and not open_flags(view, body)[0] & OPEN_REFUSED:
                     slot = (entry >> 32) - 1
                     opened[slot] = (opened[slot] + 1) & 0xFFFFFFFF      # counted before the kernel can release
                     writev(fuse_fd, [pack_out(_OPEN_ANSWER, 0, unique),

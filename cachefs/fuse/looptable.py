@@ -20,6 +20,11 @@ Handles a loop gives out carry ``LOOP_FH``, the daemon's nonce and the slot, so 
 daemon) can count their RELEASE, and a handle of an earlier daemon of the mount (another nonce)
 is answered without being counted.
 
+The daemon's own request loop answers from the table too (``open_here``, row 0), the way a loop
+process does: an open of a published inode costs it a table read and an answer, not the layers
+of an open (the operations, the namespace, a handle). So the table exists wherever the loops
+could run, with or without loop processes (``loops`` 0).
+
 Only this module's constants and the ``LoopTable`` view are shared with the loop processes; they
 import nothing else of cachefs.
 """
@@ -31,7 +36,8 @@ MAGIC = 0x63_66_73_6C_6F_6F_70_31        # "cfsloop1"
 LOOP_FH = 1 << 63                         # the bit of a handle a loop process gave out
 HEADER = 4096
 SEQ_STRIDE = 64                           # one cache line per loop: seq, then its counters
-STATS = ("opens", "releases", "ioctls", "forwarded")
+STATS = ("opens", "releases", "ioctls", "forwarded")     # row 0: what the daemon answered from the table
+OPEN_REFUSED = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT      # opens a table never answers
 READY = b"ready"                          # a loop's first message on its socket: it reads requests now
 
 
@@ -99,6 +105,17 @@ class LoopTable:
         if 0 < inode < self.inodes:
             self.inode[inode] = 0
 
+    def open_here(self, inode: int, flags: int) -> tuple[int, int] | None:
+        """The daemon's own loop opens ``inode`` from the table, as a loop process would: the
+        handle and backing id to answer with (the open counted in row 0), or None."""
+        entry = self.inode[inode] if 0 < inode < self.inodes else 0
+        if not entry or flags & OPEN_REFUSED:
+            return None
+        slot = (entry >> 32) - 1
+        self.opened[0][slot] = (self.opened[0][slot] + 1) & 0xFFFFFFFF
+        self.seq[1] += 1
+        return LOOP_FH | (self.nonce & 0xFFFF) << 32 | slot, entry & 0xFFFFFFFF
+
     def open_files(self, slot: int) -> int:
         """Files the loops opened on ``slot`` and the kernel has not released (any loop's count)."""
         opened = sum(row[slot] for row in self.opened)
@@ -131,6 +148,7 @@ class LoopTable:
             slot = fh & 0xFFFFFFFF
             if slot < self.slots:
                 self.released[0][slot] = (self.released[0][slot] + 1) & 0xFFFFFFFF
+        self.seq[2] += 1
 
     def stats(self, loop: int) -> dict[str, int]:
         return {name: self.seq[loop * 8 + 1 + i] for i, name in enumerate(STATS)}

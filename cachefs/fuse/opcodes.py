@@ -164,6 +164,12 @@ class Opcodes:
             self.reply_error(req, errno.ENOSYS)     # the kernel opens every file itself from now on
             return
         flags, _ = abi.OPEN_IN.unpack_from(req.body)
+        if self.procs is not None:       # a published backing: answered from the loops' table, as a loop would
+            answer = self.procs.open_here(req.nodeid, flags)
+            if answer is not None:
+                self.reply(req, answer)
+                self.ops.table_opened(req.nodeid)
+                return
         ops = self.ops
         now = getattr(ops, "now_open", None)
         self._answer(req, now and (lambda: now(req.nodeid, flags, req.ctx())),
@@ -188,7 +194,7 @@ class Opcodes:
 
     def _release(self, req: Request) -> None:
         fh = abi.RELEASE_IN.unpack_from(req.body)[0]
-        if fh & LOOP_FH:                 # a loop process's handle (loop_procs.py): counted, nothing held
+        if fh & LOOP_FH:                 # a handle from the loops' table (loop_procs.py): counted, nothing held
             if self.procs is not None:
                 self.procs.released(fh)
             self.reply(req)
@@ -199,6 +205,9 @@ class Opcodes:
 
     def _fsync(self, req: Request) -> None:
         fh, flags, _ = abi.FSYNC_IN.unpack_from(req.body)
+        if fh & LOOP_FH:                 # a file opened from the loops' table: read-only, nothing to sync
+            self.reply(req)
+            return
         self._later(req, lambda: self.ops.fsync(fh, bool(flags & 1)), _empty)
 
     def _opendir(self, req: Request) -> None:

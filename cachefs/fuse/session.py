@@ -277,12 +277,14 @@ class Session(Opcodes):
         """After INIT, ``options.loops`` threads that each read requests from a clone of the
         session's descriptor (FUSE_DEV_IOC_CLONE) and hand them to the trio thread in batches:
         the reads (the kernel's copy of each request) leave the trio thread; one owner answers."""
-        if self.options.loops <= 0:
-            self._clones.extend(self._given_clones)      # kept open (the keeper holds them too), unread
-            self._given_clones = []
+        if self.options.loops <= 0 and not self.options.loop_processes:
+            self._keep_given()                # kept open (the keeper holds them too), unread
             return
         await self._initialized.wait()
         if self.options.loop_processes and self._start_processes():
+            return
+        if self.options.loops <= 0:
+            self._keep_given()
             return
         for i in range(self.options.loops):
             fd = self._clone()
@@ -317,14 +319,16 @@ class Session(Opcodes):
 
     def _start_processes(self) -> bool:
         """Request loops as processes (loop_procs.py) where what they answer cannot change under
-        them: passthrough agreed and a kernel that sends requests again (a loop that dies loses none)."""
-        if not (self.passthrough and self.negotiated.resend):
-            log.log(logging.INFO if self.options.loop_processes == "process" else logging.DEBUG,
-                    "request loop processes need FUSE passthrough and FUSE_NOTIFY_RESEND (Linux 6.9+): "
-                    "thread loops instead")
+        them: passthrough agreed and a kernel that sends requests again (a loop that dies loses none).
+        With no extra loop asked for, their table alone, which the daemon's loop answers opens from."""
+        if not (self.passthrough and (self.negotiated.resend or self.options.loops <= 0)):
+            if self.options.loops > 0:
+                log.log(logging.INFO if self.options.loop_processes == "process" else logging.DEBUG,
+                        "request loop processes need FUSE passthrough and FUSE_NOTIFY_RESEND (Linux 6.9+): "
+                        "thread loops instead")
             return False
         fds = [fd for fd in (self._clone() for _ in range(self.options.loops)) if fd is not None]
-        if not fds:
+        if self.options.loops > 0 and not fds:
             return False
         # our loop stops reading once one of them reads (``_loop``, ``_stop_waiting``)
         procs = LoopProcesses(self._forwarded, lambda: self._notify(abi.NOTIFY_RESEND, []), count=len(fds),

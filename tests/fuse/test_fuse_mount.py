@@ -121,13 +121,16 @@ def test_request_loops_on_cloned_descriptors_serve_concurrent_readers(tmp_path, 
     mnt.umount()
 
 
-@pytest.mark.parametrize("passthrough", ["auto", "off"])
-def test_handles_stay_releasable_past_32768_opens(tmp_path, mount_factory, passthrough):  # noqa: F811
+@pytest.mark.parametrize("passthrough,kind", [("auto", "thread"), ("off", "auto"), ("auto", "auto")],
+                         ids=["passthrough", "no-passthrough", "from-the-loops-table"])
+def test_handles_stay_releasable_past_32768_opens(tmp_path, mount_factory, passthrough, kind):  # noqa: F811
     """A handle number's top bit marks a loop process's handle: once a daemon had given out
     32,768 handles its own numbers had it, so no RELEASE freed a handle again and the control
-    file's ioctls answered ENOTTY (`cachefs status` failed)."""
+    file's ioctls answered ENOTTY (`cachefs status` failed). (``thread``: no loops' table, so
+    the daemon's own handles; with it, the opens of handed-over files are the table's.)"""
     write_tree(tmp_path / "data")
-    mnt = mount_factory(f"file://{tmp_path / 'data'}", "--immutable", "--passthrough", passthrough).start()
+    mnt = mount_factory(f"file://{tmp_path / 'data'}", "--immutable", "--passthrough", passthrough,
+                        "--fuse-loop-kind", kind).start()
     paths = [str(mnt / path) for path in sorted(FILES)]
 
     def opener(seed: int) -> None:

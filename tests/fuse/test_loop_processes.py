@@ -187,15 +187,50 @@ def test_a_looked_up_file_is_opened_by_a_loop_the_first_time_too(dataset, mount_
     assert mnt.status()["fuse"]["by_opcode"].get("open", 0) == opens + 1 + by_daemon
 
 
-@pytest.mark.parametrize("extra,processes", [(("--immutable",), True), (("--immutable", "--fuse-loop-kind", "thread"), False),
-                                             ((), False)])
+@pytest.mark.parametrize("extra,processes", [(("--immutable",), 1), (("--immutable", "--fuse-loop-kind", "thread"), None),
+                                             ((), None), (("--immutable", "--fuse-loops", "0"), 0)])
 def test_loops_are_processes_by_default_where_they_can_answer_alone(dataset, mount_factory, extra, processes):
-    """auto: processes on an --immutable mount with passthrough; threads on a writable one."""
+    """auto: processes on an --immutable mount with passthrough; threads on a writable one; with
+    no extra loop, the processes' table alone (the daemon answers opens from it)."""
     url, args = dataset
     mnt = mount_factory(url, *args, "--fuse-loops", "1", *extra).start()
     assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
     status = mnt.status()["fuse"]["loop_processes"]
-    assert (status is not None and status["loops"][0]["running"]) if processes else status is None, status
+    if processes is None:
+        assert status is None, status
+    else:
+        assert [loop["running"] for loop in status["loops"]] == [True] * processes, status
+
+
+def test_with_no_loop_process_the_daemon_answers_opens_from_the_table(dataset, mount_factory, tmp_path):
+    """The default on a small machine (no extra loop), --immutable: after a remount each looked-up
+    file's backing is published and the daemon answers its opens from the table, as a loop would
+    (no handle, no operation); counted as passthrough opens; nothing left open; a writable open
+    never answered from it."""
+    port = free_port()
+    mnt = warmed(mount_factory, dataset, "--fuse-loops", "0", "--metrics-port", str(port))
+    assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+    status = loop_status(mnt)
+    assert status["loops"] == [] and status["daemon"]["opens"] == len(FILES), status
+    assert status["open_files"] == 0 and mnt.status()["open_files"] == 0, status
+    tallies = finish(start_readers(mnt.path, tmp_path, 4, 5))
+    assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] == 5 * len(FILES) for t in tallies), tallies
+    status = loop_status(mnt)
+    assert status["daemon"]["opens"] == 21 * len(FILES) == status["daemon"]["releases"], status
+    assert status["open_files"] == 0, status
+    with open(mnt / "c0/f000.jpg", "rb") as held:             # an open file counts as open
+        assert loop_status(mnt)["open_files"] == 1 == mnt.status()["open_files"]
+        assert held.read() == FILES["c0/f000.jpg"]
+        os.fsync(held.fileno())                               # nothing to sync: no error
+    with pytest.raises(OSError):
+        open(mnt / "c0/f000.jpg", "r+b")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    exported = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("cachefs_")}
+    status = loop_status(mnt)
+    assert exported['cachefs_fuse_table_requests_total{answer="open"}'] == status["daemon"]["opens"], exported
+    assert exported["cachefs_passthrough_opens_total"] == status["daemon"]["opens"], exported
+    assert exported['cachefs_fuse_loop_requests_total{answer="open"}'] == 0
 
 
 def test_loop_processes_killed_under_readers_cost_them_nothing(dataset, mount_factory, tmp_path):
@@ -238,10 +273,12 @@ def test_the_daemon_killed_under_its_keeper_takes_its_loops_with_it_and_readers_
     assert not {loop["pid"] for loop in status["loops"]} & set(old)
 
 
-def test_eviction_churn_under_loop_processes_never_fails_an_open(dataset, mount_factory, tmp_path):
+@pytest.mark.parametrize("loops", ["2", "0"], ids=["processes", "table-only"])
+def test_eviction_churn_under_loop_processes_never_fails_an_open(dataset, mount_factory, tmp_path, loops):
     """Idle backings bounded to a quarter of a 256 KiB tier: they are closed and registered
-    again all the time while four readers open the files through the loops."""
-    mnt = warmed(mount_factory, dataset, "--cache-size", "2M", "--free-space-ratio", "0")
+    again all the time while four readers open the files through the loops (or the daemon's
+    own loop, from the table)."""
+    mnt = warmed(mount_factory, dataset, "--cache-size", "2M", "--free-space-ratio", "0", "--fuse-loops", loops)
     tallies = finish(start_readers(mnt.path, tmp_path, 4, 6))
     assert all(t["wrong"] == 0 and t["error_count"] == 0 and t["ok"] == 6 * len(FILES) for t in tallies), tallies
     assert loop_status(mnt)["open_files"] == 0
