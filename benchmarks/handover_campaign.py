@@ -121,7 +121,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str = "kill", immutable: bool = False,
         standby: bool = True, files: int = 300, readers: int = 8, seed: int = 0,
-        resend: bool = True, mount_opts: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
+        resend: bool = True, mount_opts: tuple[str, ...] = (), quiet: float = QUIET) -> tuple[dict, list[str]]:
     """One campaign; returns (figures, problems). ``resend=False`` plays a kernel before 6.9: the
     daemons never ask for resends, and what a dead one had read is answered from its in-flight log."""
     from cachefs import launcher
@@ -150,7 +150,8 @@ def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str 
     problems: list[str] = []
     writer = None
     readers_ = Readers(mnt, {name: data for name, data in dataset.items()}, readers, seed)
-    figures: dict = {"mode": mode, "kills": 0, "immutable": immutable, "standby": standby, "mount_opts": list(mount_opts)}
+    figures: dict = {"mode": mode, "kills": 0, "immutable": immutable, "standby": standby, "mount_opts": list(mount_opts),
+                     "quiet_s": quiet}
     pauses, kill_times = [], []
     try:
         readers_.start()
@@ -161,7 +162,7 @@ def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str 
                                       stderr=open(workdir / "writer.err", "ab"),  # noqa: SIM115
                                       cwd=Path(__file__).resolve().parent.parent)
         pid = started.pid
-        time.sleep(QUIET)
+        time.sleep(quiet)
         for _ in range(kills):
             time.sleep(rng.uniform(0.0, 1.0))
             at = time.monotonic()
@@ -176,7 +177,7 @@ def run(endpoint_url: str, bucket: str, workdir: Path, *, kills: int, mode: str 
                 problems.append(f"the writer stopped (status {writer.returncode}): "
                                 f"{(workdir / 'writer.err').read_text()[-600:]}")
                 writer = None
-            time.sleep(QUIET)
+            time.sleep(quiet)
         readers_.finish()
         if writer is not None:
             if writer.poll() is not None:
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mount-opt", action="append", default=[],
                         help="one more `cachefs mount` flag, e.g. --mount-opt=--fuse-loop-kind=process")
+    parser.add_argument("--quiet", type=float, default=QUIET,
+                        help="seconds from a takeover to the next kill (the standby starts 1 s after one)")
     parser.add_argument("--endpoint-url")
     parser.add_argument("--bucket")
     args = parser.parse_args(argv)
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             make_bucket(endpoint, bucket)
         figures, problems = run(endpoint, bucket, Path(tmp), kills=args.kills, mode=args.mode,
                                 immutable=args.immutable, standby=args.standby, files=args.files, seed=args.seed,
-                                resend=args.resend, mount_opts=tuple(args.mount_opt))
+                                resend=args.resend, mount_opts=tuple(args.mount_opt), quiet=args.quiet)
     print(json.dumps({**figures, "problems": problems[:50]}))
     return 1 if problems else 0
 
