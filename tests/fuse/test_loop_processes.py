@@ -3,7 +3,8 @@ opens of handed-over files, their releases and CPython's isatty ioctl by themsel
 bytes and nothing left open; a loop SIGKILLed under readers, or the daemon SIGKILLed under its
 keeper, costs the readers nothing; a backing a loop still has files open on is never closed
 (the protocol checked step by step on the shared table, and under eviction churn on a mount);
-and the daemon's own count of a backing's opens, which decides when it may close."""
+the daemon's own count of a backing's opens, which decides when it may close; and, with no loop
+process, the daemon's own answers from the table."""
 
 import hashlib
 import json
