@@ -32,6 +32,7 @@ def render(status: dict) -> str:
     lines.append(f"  served  {size(status['read_bytes'])} to readers; corrupt blocks dropped: "
                  f"{status['corrupt_blocks']}")
     lines.append(f"  metrics {'http://' + status['metrics'] + '/metrics' if status['metrics'] else 'off'}")
+    lines.extend(_fuse_lines(status.get("fuse"), status.get("open_files")))
     listing = status.get("listing")
     if listing and listing["state"] == "skipped":
         lines.append("  listing ahead skipped: the saved listings are fresh")
@@ -44,6 +45,29 @@ def render(status: dict) -> str:
     lines.extend(_writeback_lines(status.get("writeback")))
     lines.extend(_warmup_lines(status.get("warmup")))
     return "\n".join(lines)
+
+
+def _fuse_lines(fuse: dict | None, open_files: int | None) -> list[str]:
+    """The FUSE layer: backend, protocol, passthrough, requests read, open files; the request loop
+    processes and what the daemon answered from their table, where they are kept."""
+    if not fuse:
+        return []
+    head = fuse.get("backend", "?") + (f" (FUSE {fuse['protocol']})" if fuse.get("protocol") else "")
+    head += ", passthrough " + ("on" if fuse.get("passthrough") else "off")
+    if "requests" in fuse:
+        head += f", {fuse['requests']} requests read"
+    lines = [f"  fuse    {head}; {open_files if open_files is not None else '-'} files open"]
+    table = fuse.get("loop_processes")
+    if table:
+        loops = table["loops"]
+        if loops:
+            running = sum(1 for loop in loops if loop["running"])
+            lines.append(f"  loops   {running} of {len(loops)} loop processes running: "
+                         f"{sum(loop['opens'] for loop in loops)} opens answered, "
+                         f"{table['forwarded']} requests forwarded to the daemon")
+        lines.append(f"  table   {table['published']} backings published; {table['daemon']['opens']} opens "
+                     f"answered from it by the daemon")
+    return lines
 
 
 def _writeback_lines(wb: dict | None) -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from mounts import put_tree
+from mounts import cachefs, put_tree
 
 from cachefs.fuse.backing import Backings
 from cachefs.fuse.loop_procs import LoopProcesses
@@ -232,6 +232,8 @@ def test_with_no_loop_process_the_daemon_answers_opens_from_the_table(dataset, m
     assert exported['cachefs_fuse_table_requests_total{answer="open"}'] == status["daemon"]["opens"], exported
     assert exported["cachefs_passthrough_opens_total"] == status["daemon"]["opens"], exported
     assert exported['cachefs_fuse_loop_requests_total{answer="open"}'] == 0
+    human = cachefs("status", str(mnt.path)).stdout          # as people read it
+    assert "passthrough on" in human and f"{status['daemon']['opens']} opens answered from it by the daemon" in human
 
 
 def test_loop_processes_killed_under_readers_cost_them_nothing(dataset, mount_factory, tmp_path):
