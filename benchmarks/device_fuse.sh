@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The FUSE layer on a many-core machine (run through the device tool, as root, from the repo root):
 # a preflight (Python, trio, /dev/fuse, one real mount), then bench_fuse with 16 readers over
-# request-loop variants (none, 4 and 8 loop processes, 2 threads) and zero-message opens, then a
+# request-loop variants (the daemon alone answering from the loops' table, the daemon alone with no
+# table, 4 and 8 loop processes) and zero-message opens, then a
 # ResNet-50 epoch fed from local disk and from a
 # cachefs mount (disk tier, page cache dropped). Each stage has its own time limit and writes its
 # results under $OUT as it goes, so a stage that fails or overruns leaves the others' figures.
@@ -34,8 +35,8 @@ python3 -m cachefs umount "$W/pre/mnt" >> "$OUT/preflight.log" 2>&1
 grep -h '"passthrough"\|"protocol"' "$OUT/preflight_status.json" | head -3
 timeout "${FUSE_LIMIT:-330}" python3 -m benchmarks.bench_fuse --files "${FILES:-10000}" --readers "${READERS:-16}" \
   --rounds "${ROUNDS:-2}" --fill read --keep --workdir "$W" --json "$OUT/fuse.json" \
-  --variants cachefs,--fuse-loops=0 cachefs,--fuse-loops=4,--fuse-loop-kind=process \
-    cachefs,--fuse-loops=8,--fuse-loop-kind=process cachefs,--fuse-loops=2 cachefs,--fuse-no-open \
+  --variants cachefs,--fuse-loops=0 cachefs,--fuse-loops=0,--fuse-loop-kind=thread \
+    cachefs,--fuse-loops=4,--fuse-loop-kind=process cachefs,--fuse-loops=8,--fuse-loop-kind=process cachefs,--fuse-no-open \
   2>&1 | tee "$OUT/fuse.log"
 for log in "$W"/cache-*/cachefs.log; do echo "== $log"; grep -v ' INFO ' "$log" | tail -n 20; done > "$OUT/daemon_logs.txt" 2>&1
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
