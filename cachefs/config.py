@@ -150,6 +150,11 @@ class MountConfig:
                 "at hand gets its backing at the LOOKUP, so even its first open is answered from the loops' "
                 "table (by a loop process, or the daemon's own loop) rather than by the open's full path (off: "
                 "first opens take that path; for scans that look up many files they never open)"})
+    fuse_idle_backings: int = field(default=262144, metadata={
+        "help": "passthrough: backing files kept registered after a file's last close while the kernel still "
+                "knows its inode, so a later epoch reopens it with no work (each holds its cache file from "
+                "eviction, a quarter of the disk tier at most in all, and ~1 KiB of kernel memory); past this "
+                "many the oldest are closed"})
     fuse_max_background: int = field(default=64, metadata={
         "help": "kernel FUSE max_background (concurrent async requests)"})
     passthrough: str = field(default="auto", metadata={
@@ -353,6 +358,7 @@ def _validate(cfg: MountConfig) -> None:
     need(not cfg.fuse_no_open or (cfg.immutable and cfg.fuse_backend == "cachefs"),
          "--fuse-no-open needs --immutable (no open revalidates a file) and --fuse-backend cachefs")
     need(0 <= cfg.fuse_loops <= 64, "fuse_loops must be in 0..64")
+    need(0 <= cfg.fuse_idle_backings <= 1 << 22, "fuse_idle_backings must be in 0..4194304")
     need(5 << 20 <= cfg.upload_part_size <= 5 << 30, "upload_part_size must be between 5M and 5G")
     need(cfg.staging_size > 0 and cfg.staging_wait >= 0, "staging_size must be positive, staging_wait >= 0")
     for name in ("upload_concurrency", "log_upload_concurrency"):

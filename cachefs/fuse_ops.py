@@ -117,16 +117,17 @@ class Operations:
         of the disk tier."""
         uid, gid = cfg.owner
         return cls(vfs, control, metrics, kernel, uid=uid, gid=gid, idle_backing_bytes=cfg.cache_size // 4,
+                   idle_backings=cfg.fuse_idle_backings,
                    file_mode=cfg.file_mode, dir_mode=cfg.dir_mode, metadata_ttl=cfg.metadata_ttl,
                    immutable=immutable, open_ahead=cfg.fuse_open_ahead)
 
     def __init__(self, vfs: Vfs, control: Control, metrics: Metrics, kernel, *, uid: int, gid: int,
                  file_mode: int, dir_mode: int, metadata_ttl: float, immutable: bool,
-                 idle_backing_bytes: int = 4 << 30, open_ahead: bool = True) -> None:
+                 idle_backing_bytes: int = 4 << 30, idle_backings: int = 262144, open_ahead: bool = True) -> None:
         self.kernel = kernel          # the FUSE layer: notify_store, and passthrough (backing_open/close)
         # backing files kept past their last release (a hot epoch reopens them): a quarter of the
         # disk tier at most, since they are held from eviction
-        self.backings = Backings(self._close_backing, max_idle_bytes=idle_backing_bytes)
+        self.backings = Backings(self._close_backing, max_idle=idle_backings, max_idle_bytes=idle_backing_bytes)
         self.open_ahead = open_ahead      # a looked-up file's backing registered at LOOKUP (``_ahead``)
         self.vfs = vfs
         self.control = control

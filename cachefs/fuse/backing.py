@@ -8,8 +8,8 @@ handles; an inode with other handles open is not handed over.
 A backing whose last handle is released stays registered while the kernel still knows the inode
 (until its FORGET), so the next open of a file read again (a hot epoch) is answered with the same
 id: no syscall, no verification. Such idle backings keep their cache files held from eviction,
-so they are bounded (``max_idle`` of them, ``max_idle_bytes`` of files); past either, the oldest
-are closed.
+so they are bounded (``max_idle`` of them, ``--fuse-idle-backings``; ``max_idle_bytes`` of files,
+a quarter of the disk tier); past either, the oldest are closed.
 
 Where request loops can run as processes (``loop_procs.py``; an ``--immutable`` mount with
 passthrough), every backing is published in their table for them, and the daemon's own loop, to

@@ -71,7 +71,8 @@ class LoopProcesses:
         self._ready = ready                       # called when a loop starts reading
         self.table = LoopTable.create(loops=count, slots=slots, nonce=nonce)
         self.loops: list[Loop] = []
-        self._free = list(range(slots - 1, -1, -1))
+        self._free: list[int] = []               # slots given back (a new one is ``_next`` while any is left)
+        self._next = 0
         self._gone: set[int] = set()
         self.ticks: list[Callable[[], None]] = []     # called every TICK (Backings.sweep)
         self.forwarded = 0
@@ -192,9 +193,12 @@ class LoopProcesses:
         """Let the loops answer opens of ``inode`` with ``backing_id``: its slot (a new one unless
         given), or -1 when it cannot be published (no slot free, an inode past the table)."""
         if slot < 0:
-            if not self._free:
+            if self._free:
+                slot = self._free.pop()
+            elif self._next < self.table.slots:
+                slot, self._next = self._next, self._next + 1
+            else:
                 return -1
-            slot = self._free.pop()
             self.table.reset(slot)
         if not self.table.publish(inode, slot, backing_id):
             self._free.append(slot)
@@ -244,7 +248,7 @@ class LoopProcesses:
                           for loop in self.loops],
                 "daemon": {k: n for k, n in self.table.stats(0).items() if k in ("opens", "releases")},    # from the table
                 "open_files": (opened - released) & 0xFFFFFFFF, "forwarded": self.forwarded,
-                "published": self.table.slots - len(self._free)}
+                "published": self._next - len(self._free)}
 
 
 def _big_buffers(sock: socket.socket) -> None:

@@ -62,6 +62,7 @@ class SessionOptions:
                                         # "process" (asked for), "auto" (where they can run), "" (never)
     inflight: str | None = None         # the in-flight log's path (a mount under a keeper)
     no_open: bool = False               # ask for zero-message opens (FUSE_NO_OPEN_SUPPORT), answer OPEN ENOSYS
+    table_slots: int = 81920            # backings the loops' table can publish (idle ones and open ones)
 
     @classmethod
     def from_config(cls, cfg, *, passthrough: bool, kept: bool) -> "SessionOptions":
@@ -72,7 +73,7 @@ class SessionOptions:
                    loops=cfg.fuse_loops,
                    loop_processes=cfg.fuse_loop_kind if cfg.fuse_loop_kind != "thread" and cfg.immutable else "",
                    inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if kept else None,
-                   no_open=cfg.fuse_no_open)
+                   no_open=cfg.fuse_no_open, table_slots=cfg.fuse_idle_backings + 16384)
 
 
 @dataclass(slots=True)
@@ -332,7 +333,7 @@ class Session(Opcodes):
             return False
         # our loop stops reading once one of them reads (``_loop``, ``_stop_waiting``)
         procs = LoopProcesses(self._forwarded, lambda: self._notify(abi.NOTIFY_RESEND, []), count=len(fds),
-                              nonce=new_nonce(), ready=self._stop_waiting)
+                              nonce=new_nonce(), slots=self.options.table_slots, ready=self._stop_waiting)
         try:
             procs.start(fds)
         except OSError as exc:

@@ -276,6 +276,19 @@ def test_the_daemon_killed_under_its_keeper_takes_its_loops_with_it_and_readers_
     assert not {loop["pid"] for loop in status["loops"]} & set(old)
 
 
+def test_idle_backings_are_bounded_by_the_option(dataset, mount_factory):
+    """--fuse-idle-backings: past that many backings with no open file, the oldest are closed
+    (their slots in the table freed) and those files' next opens register them again."""
+    mnt = warmed(mount_factory, dataset, "--fuse-loops", "0", "--fuse-idle-backings", "4")
+    for _ in range(2):
+        assert {name: (mnt / name).read_bytes() for name in FILES} == FILES
+        deadline = time.monotonic() + 10
+        while loop_status(mnt)["published"] > 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert loop_status(mnt)["published"] == 4, loop_status(mnt)
+    assert loop_status(mnt)["open_files"] == 0
+
+
 @pytest.mark.parametrize("loops", ["2", "0"], ids=["processes", "table-only"])
 def test_eviction_churn_under_loop_processes_never_fails_an_open(dataset, mount_factory, tmp_path, loops):
     """Idle backings bounded to a quarter of a 256 KiB tier: they are closed and registered

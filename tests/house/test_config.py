@@ -164,6 +164,8 @@ def test_wrong_types_in_toml(tmp_path, toml, words):
     (["--metrics-port", "70000"], ["metrics_port"]),
     (["--dir-mode", "17777"], ["modes"]),
     (["--fuse-no-open"], ["--fuse-no-open", "--immutable"]),
+    (["--fuse-idle-backings", "-1"], ["fuse_idle_backings", "0..4194304"]),
+    (["--fuse-idle-backings", "5000000"], ["fuse_idle_backings"]),
     (["--fuse-no-open", "--read-only"], ["--fuse-no-open", "--immutable"]),
     (["--fuse-no-open", "--immutable", "--fuse-backend", "pyfuse3"], ["--fuse-no-open", "cachefs"]),
 ])
