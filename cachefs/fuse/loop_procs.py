@@ -241,8 +241,9 @@ class LoopProcesses:
 
     def status(self) -> dict:
         """Each loop's pid and what it answered; the files the loops' opens keep open now."""
-        opened = sum(sum(row) for row in self.table.opened)
-        released = sum(sum(row) for row in self.table.released)
+        used = self._next                         # (no slot past it was ever counted on)
+        opened = sum(sum(row[:used]) for row in self.table.opened)
+        released = sum(sum(row[:used]) for row in self.table.released)
         return {"loops": [{"pid": loop.proc.pid, "running": not loop.gone, "reading": loop.ready and not loop.gone,
                            **self.table.stats(loop.index)}
                           for loop in self.loops],
