@@ -153,8 +153,8 @@ class MountConfig:
     fuse_idle_backings: int = field(default=262144, metadata={
         "help": "passthrough: backing files kept registered after a file's last close while the kernel still "
                 "knows its inode, so a later epoch reopens it with no work (each holds its cache file from "
-                "eviction, a quarter of the disk tier at most in all, and ~1 KiB of kernel memory); past this "
-                "many the oldest are closed"})
+                "eviction, a quarter of the disk tier at most in all, ~1 KiB of kernel memory and ~0.5 KiB of the "
+                "daemon's); past this many the oldest are closed"})
     fuse_max_background: int = field(default=64, metadata={
         "help": "kernel FUSE max_background (concurrent async requests)"})
     passthrough: str = field(default="auto", metadata={
