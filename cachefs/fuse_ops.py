@@ -279,9 +279,15 @@ class Operations:
     def _handed_over(self, inode: int, flags: int, backing_id: int) -> FileInfo:
         handle, _ = self.vfs.open_now(inode, flags, handed_over=True)
         self.backings.bind(handle.fh, inode)
-        self.served.passthrough_opens.inc()
-        self.served.read_bytes.inc(handle.node.size)      # the kernel serves it from the cache file
+        self._passed_through(handle.node)
         return FileInfo(fh=handle.fh, backing_id=backing_id)
+
+    def _passed_through(self, node: Node | None) -> None:
+        """One open handed to the kernel: counted, and the file's bytes as served (the kernel
+        serves them from the cache file)."""
+        self.served.passthrough_opens.inc()
+        if node is not None:
+            self.served.read_bytes.inc(node.size)
 
     def _unbind_backing(self, fh: int) -> None:
         self.backings.unbind(fh)
@@ -302,10 +308,7 @@ class Operations:
     def table_opened(self, inode: int) -> None:
         """The session answered an open of ``inode`` from the loops' table (its published backing,
         no handle here): counted as the passthrough open it is."""
-        self.served.passthrough_opens.inc()
-        node = self.vfs.find_node(inode)
-        if node is not None:
-            self.served.read_bytes.inc(node.size)
+        self._passed_through(self.vfs.find_node(inode))
 
     def loops_started(self, loops) -> None:
         """The loops' table is kept (cachefs/fuse/loop_procs.py): the opens of every inode with a
