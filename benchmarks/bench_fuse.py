@@ -105,16 +105,19 @@ class Bench:
             if result.returncode != 0:
                 raise RuntimeError(f"warmup failed: {result.stderr.strip()}")
 
-    def listed(self, root: Path) -> None:
-        """``--list-first``: the loader's scan of its dataset, before the epoch and not timed."""
+    def listed(self, round_: int, who: str, root: Path, pid: int | None = None) -> None:
+        """``--list-first``: the loader's scan of its dataset, before the epoch (its own row,
+        ``list``: entries listed per second and the daemon's CPU per entry)."""
         if self.args.list_first:
-            found = sum(len(files) for _dir, _dirs, files in os.walk(root))
+            with CpuMeter(daemon=with_children(pid)) as meter:
+                found = sum(len(files) for _dir, _dirs, files in os.walk(root))
             if found < len(self.order):
                 raise RuntimeError(f"listing {root} found {found} files, not {len(self.order)}")
+            self.record(round_, who, "list", files_s=found / meter.seconds, meter=meter, files=found)
 
     def local_rows(self, round_: int) -> None:
         drop_page_cache()
-        self.listed(self.root)
+        self.listed(round_, "local disk", self.root)
         self.epoch(round_, "local disk", "disk", self.root, None)
         self.epoch(round_, "local disk", "hot", self.root, None, passes=self.args.hot_passes)
         drop_page_cache()
@@ -123,7 +126,7 @@ class Bench:
     def mount_rows(self, round_: int, variant: str) -> None:
         drop_page_cache()
         with self.mount(variant) as mnt:
-            self.listed(mnt.mountpoint)
+            self.listed(round_, variant, mnt.mountpoint, mnt.pid)
             self.epoch(round_, variant, "disk", mnt.mountpoint, mnt.pid)
             self.epoch(round_, variant, "hot", mnt.mountpoint, mnt.pid, passes=self.args.hot_passes)
             drop_page_cache(keep_inodes=True)
@@ -160,13 +163,15 @@ class Bench:
 def summary(rows: list[dict], variants: list[str]) -> list[str]:
     """Per variant and row kind: the median over rounds, and the ratio to local disk (its rows
     of the same round: the mean of the runs before and after)."""
+    listing = any(r["kind"] == "list" for r in rows)      # --list-first: the walk before each disk-tier epoch
     lines = ["| variant | disk tier files/s (x local) | daemon ms/file | hot files/s (x page cache) | "
              "disk tier, inodes known (x local) | daemon ms/file | large MB/s, first open (x local dd) | "
-             "large, opened again |", "|---|---|---|---|---|---|---|---|"]
+             "large, opened again |" + (" listing entries/s (x local) | daemon ms/entry |" if listing else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if listing else "")]
+    kinds = [("disk", "files_s"), ("hot", "files_s"), ("known", "files_s"), ("large", "mb_s"), ("again", "mb_s")]
     for variant in variants:
         cells = []
-        for kind, unit in (("disk", "files_s"), ("hot", "files_s"), ("known", "files_s"), ("large", "mb_s"),
-                           ("again", "mb_s")):
+        for kind, unit in kinds + ([("list", "files_s")] if listing else []):
             ratios, values, cpu = [], [], []
             base = {"again": "large", "known": "disk"}.get(kind, kind)
             for row in (r for r in rows if r["who"] == variant and r["kind"] == kind):
@@ -176,12 +181,12 @@ def summary(rows: list[dict], variants: list[str]) -> list[str]:
                 ratios.append(row[unit] / (sum(local) / len(local)))
                 cpu.append(row.get("cpu_daemon_ms", 0.0))
             if not values:
-                cells.append("-")
+                cells += ["-", "-"] if kind in ("disk", "known", "list") else ["-"]
                 continue
             values.sort()
             ratios.sort()
             cells.append(f"{values[len(values) // 2]:,.0f} ({ratios[0]:.2f}-{ratios[-1]:.2f}x)")
-            if kind in ("disk", "known"):
+            if kind in ("disk", "known", "list"):
                 cpu.sort()
                 cells.append(f"{cpu[0]:.3f}-{cpu[-1]:.3f}")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")

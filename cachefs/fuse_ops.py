@@ -214,12 +214,16 @@ class Operations:
             return 0
         return self._register_backing(inode, self.vfs.blocks.exact_file_now(version))
 
-    def _ahead(self, node: Node) -> Node:
+    def _ahead(self, node: Node, listed: bool = False) -> Node:
         """Where opens are answered from the loops' table, register the backing of a looked-up
         file whose verified cache file is at hand (no disk read) before the LOOKUP is answered: its
-        OPEN, which follows at once, is then answered from the table (fuse/backing.py)."""
+        OPEN, which follows at once, is then answered from the table (fuse/backing.py). A file
+        ``listed`` (an entry of a READDIRPLUS, which the kernel keeps as if looked up: its first
+        open comes with no LOOKUP) is registered only while idle backings have room: a listing
+        of more files than they may hold pushes none out."""
         if (not (self.open_ahead and self.backings.ahead) or node.is_dir or node.size >= self.vfs.blocks.block_size or node.opens
-                or node.restored or node.inode in self.backings.by_inode):
+                or node.restored or node.inode in self.backings.by_inode
+                or listed and not self.backings.room(node.size)):
             return node             # (a large file's whole-object file is not assembled for a lookup)
         try:
             version = self._handover_version(node.inode, os.O_RDONLY)
@@ -406,7 +410,9 @@ class Operations:
         for name, node, next_id in self.vfs.readdir_entries(fh, start_id):
             if not reply.add(os.fsencode(name), self._attr(node), next_id):
                 return
-            self.vfs.remember(node)
+            if reply.plus:               # the kernel now holds the entry, as after a LOOKUP
+                self.vfs.remember(node)
+                self._ahead(node, listed=True)
 
     @_operation("releasedir")
     async def releasedir(self, fh):

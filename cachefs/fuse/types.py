@@ -86,7 +86,11 @@ class SetattrFields:
 
 class DirReply:
     """Collects a READDIR(PLUS) answer: ``add`` returns False once the kernel's buffer is full
-    (the entry was not added; the kernel asks again from its offset)."""
+    (the entry was not added; the kernel asks again from its offset). ``plus``: the kernel keeps
+    each entry added, with its attributes (READDIRPLUS), which counts as a lookup of it; a plain
+    READDIR gives names only, and the kernel takes no reference."""
+
+    plus = True
 
     def add(self, name: bytes, attr: Attr, next_offset: int) -> bool:   # pragma: no cover - an interface
         raise NotImplementedError

@@ -225,9 +225,7 @@ def test_with_no_loop_process_the_daemon_answers_opens_from_the_table(dataset, m
         os.fsync(held.fileno())                               # nothing to sync: no error
     with pytest.raises(OSError):
         open(mnt / "c0/f000.jpg", "r+b")
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    exported = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("cachefs_")}
+    exported = metrics_of(port)
     status = loop_status(mnt)
     assert exported['cachefs_fuse_table_requests_total{answer="open"}'] == status["daemon"]["opens"], exported
     assert exported["cachefs_passthrough_opens_total"] == status["daemon"]["opens"], exported
@@ -287,6 +285,41 @@ def test_idle_backings_are_bounded_by_the_option(dataset, mount_factory):
             time.sleep(0.1)
         assert loop_status(mnt)["published"] == 4, loop_status(mnt)
     assert loop_status(mnt)["open_files"] == 0
+
+
+def metrics_of(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("cachefs_")}
+
+
+@pytest.mark.parametrize("bound", [None, 4], ids=["all", "bounded"])
+def test_a_listed_dataset_opens_from_the_table_with_no_lookup(dataset, mount_factory, bound):
+    """A loader that lists its dataset first (ImageFolder): the kernel gets every entry with its
+    attributes (READDIRPLUS) and opens them later with no LOOKUP, so the daemon registers each
+    listed file's backing as it lists it; every first open after a remount is then answered from
+    the table. Bounded by --fuse-idle-backings: a listing fills what room there is and pushes
+    no backing out (the files listed past it open the usual way)."""
+    port = free_port()
+    extra = ("--fuse-idle-backings", str(bound)) if bound else ()
+    mnt = warmed(mount_factory, dataset, "--fuse-loops", "0", "--metrics-port", str(port), *extra)
+    listed = sorted(os.path.relpath(os.path.join(top, name), mnt.path)
+                    for top, _dirs, names in os.walk(mnt.path) for name in names)
+    assert listed == sorted(FILES)
+    published = loop_status(mnt)["published"]
+    assert published == (bound or len(FILES)), loop_status(mnt)
+    before = metrics_of(port)
+    assert {name: (mnt / name).read_bytes() for name in listed} == FILES
+    after = metrics_of(port)
+    status = loop_status(mnt)
+    assert after['cachefs_fuse_operations_total{op="lookup"}'] == before['cachefs_fuse_operations_total{op="lookup"}']
+    assert status["daemon"]["opens"] == (bound or len(FILES)), status          # the rest: the usual way
+    assert after["cachefs_passthrough_opens_total"] - before["cachefs_passthrough_opens_total"] == len(FILES)
+    assert status["open_files"] == 0, status
+    deadline = time.monotonic() + 10          # (the backings registered past the bound close as they go idle)
+    while loop_status(mnt)["published"] > (bound or len(FILES)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert loop_status(mnt)["published"] == (bound or len(FILES)), loop_status(mnt)
 
 
 @pytest.mark.parametrize("loops", ["2", "0"], ids=["processes", "table-only"])

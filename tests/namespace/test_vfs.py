@@ -378,6 +378,41 @@ def test_a_failed_read_is_logged_once(bucket_mem, caplog):
     assert len(errors) == 1, [r.getMessage() for r in errors]
 
 
+@pytest.mark.parametrize("plus", [True, False])
+def test_only_a_readdirplus_entry_counts_as_a_lookup(bucket_mem, plus):
+    """The kernel holds each READDIRPLUS entry as if looked up (a FORGET comes for it), but
+    takes no reference from a plain READDIR (which it sends for later parts of a large listing
+    when READDIRPLUS is adaptive): counted there, a node would never be forgotten."""
+    from cachefs.fuse.types import DirReply
+    vfs = make_vfs(bucket_mem.store())
+    ops = Operations(vfs, Control(lambda: vfs.new_fh(2)), Metrics(), types.SimpleNamespace(passthrough=False),
+                     uid=0, gid=0, file_mode=0o644, dir_mode=0o755, metadata_ttl=TTL, immutable=True)
+
+    class Reply(DirReply):
+        def __init__(self):
+            self.names = []
+
+        def add(self, name, attr, next_offset):
+            self.names.append((name, attr.ino))
+            return True
+    Reply.plus = plus
+
+    async def main():
+        fh = await ops.opendir(ROOT_INODE, None)
+        reply = Reply()
+        await ops.readdir(fh, 0, reply)
+        await ops.releasedir(fh)
+        assert sorted(name for name, _ in reply.names) == [b"a.txt", b"d", b"z"]
+        for name, ino in reply.names:
+            node = vfs.node(ino)
+            assert node.lookups == (1 if plus else 0)
+            again = await ops.lookup(ROOT_INODE, name)           # the same inode, counted once more
+            assert again.ino == ino and node.lookups == (2 if plus else 1)
+            ops.forget([(ino, node.lookups)])
+            assert vfs.find_node(ino) is None                     # forgotten with the kernel's count
+    trio.run(main)
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_listing_ahead_lists_every_folder_and_a_failure_drops_what_it_gave(bucket_mem, fail):
     """Listings found ahead (``listahead.py``) serve the first lookups with no LIST of their own;
