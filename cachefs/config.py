@@ -146,12 +146,12 @@ class MountConfig:
                 "processes could run, the daemon's own loop answers those opens from their table too, even "
                 "with no extra loop (thread: never)"})
     fuse_open_ahead: bool = field(default=True, metadata={
-        "help": "on --immutable mounts with passthrough: a file looked up, or listed with its attributes "
-                "(a loader that lists its dataset first), while its verified cache file is at hand gets its "
-                "backing then, so even its first open is answered from the loops' table (by a loop process, or "
-                "the daemon's own loop) rather than by the open's full path; a listing registers only while "
-                "--fuse-idle-backings has room (off: first opens take that path; for scans that look up or "
-                "list many files they never open)"})
+        "help": "on --immutable mounts with passthrough: a file looked up while its verified cache file is "
+                "at hand gets its backing at the LOOKUP, and a file listed with its attributes (a loader that "
+                "lists its dataset first) once no request waits, so even its first open is answered from the "
+                "loops' table (by a loop process, or the daemon's own loop) rather than by the open's full "
+                "path; a listing registers only while --fuse-idle-backings has room (off: first opens take "
+                "that path; for scans that look up or list many files they never open)"})
     fuse_idle_backings: int = field(default=262144, metadata={
         "help": "passthrough: backing files kept registered after a file's last close while the kernel still "
                 "knows its inode, so a later epoch reopens it with no work (each holds its cache file from "

@@ -16,7 +16,7 @@ import os
 import stat
 import struct
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from cachefs.control.protocol import CONTROL_NAME, IOCTL_RECEIVE, IOCTL_SEND
 from cachefs.control.server import Control
@@ -31,6 +31,7 @@ from cachefs.tiers.metrics import TierMetrics
 log = logging.getLogger(__name__)
 
 _IMMUTABLE_TIMEOUT = 24 * 3600.0
+_IDLE_SLICE = 8          # listed files registered per idle turn (~0.5 ms: a request that comes waits no longer)
 _QUIET_ERRNOS = {errno.ENOENT, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENOSYS, errno.ENODATA,
                  errno.EEXIST, errno.ENOTEMPTY, errno.EXDEV, errno.EPERM, errno.EINVAL}
 
@@ -139,6 +140,7 @@ class Operations:
         self._implicit: dict[int, int] = {}          # inode -> the read handle of files opened with no OPEN
         self._implicit_control: OrderedDict[int, int] = OrderedDict()     # caller's thread -> control session
         self._timing = TimingCache(self.metrics)
+        self._listed: deque[int] = deque()          # inodes a READDIRPLUS listed, registered ahead in ``idle``
 
     def _failed(self, name: str, code: int) -> None:
         self.metrics.fuse_errors.labels(name, errno.errorcode.get(code, str(code))).inc()
@@ -214,16 +216,17 @@ class Operations:
             return 0
         return self._register_backing(inode, self.vfs.blocks.exact_file_now(version))
 
-    def _ahead(self, node: Node, listed: bool = False) -> Node:
+    def _worth_ahead(self, node: Node) -> bool:
+        """Whether ``node``'s backing is to be registered before any open of it (a small file with
+        no backing and no handle, where opens are answered from the loops' table)."""
+        return (self.open_ahead and self.backings.ahead and not node.is_dir and node.size < self.vfs.blocks.block_size
+                and not node.opens and not node.restored and node.inode not in self.backings.by_inode)
+
+    def _ahead(self, node: Node) -> Node:
         """Where opens are answered from the loops' table, register the backing of a looked-up
         file whose verified cache file is at hand (no disk read) before the LOOKUP is answered: its
-        OPEN, which follows at once, is then answered from the table (fuse/backing.py). A file
-        ``listed`` (an entry of a READDIRPLUS, which the kernel keeps as if looked up: its first
-        open comes with no LOOKUP) is registered only while idle backings have room: a listing
-        of more files than they may hold pushes none out."""
-        if (not (self.open_ahead and self.backings.ahead) or node.is_dir or node.size >= self.vfs.blocks.block_size or node.opens
-                or node.restored or node.inode in self.backings.by_inode
-                or listed and not self.backings.room(node.size)):
+        OPEN, which follows at once, is then answered from the table (fuse/backing.py)."""
+        if not self._worth_ahead(node):
             return node             # (a large file's whole-object file is not assembled for a lookup)
         try:
             version = self._handover_version(node.inode, os.O_RDONLY)
@@ -233,6 +236,28 @@ class Operations:
         if exact is not None:
             self._register_backing(node.inode, exact, opens=0)
         return node
+
+    def idle(self) -> bool:
+        """No request is waiting (the session's loop found none): register the backings of a few
+        files a READDIRPLUS listed, queued as it listed them. The kernel keeps such an entry as if
+        looked up and opens it later with no LOOKUP; registered now, the open is answered from the
+        table, and the listing itself (a loader's scan before its first epoch) was not slowed by
+        it. Only while idle backings have room: a listing larger than they may hold pushes none
+        out. True while some are left."""
+        for _ in range(_IDLE_SLICE):
+            if not self._listed:
+                return False
+            node = self.vfs.find_node(self._listed.popleft())
+            if node is None or node.lookups <= 0 or not self._worth_ahead(node):
+                continue                      # forgotten, opened or registered since it was listed
+            if not self.backings.room(node.size):
+                self._listed.clear()
+                return False
+            try:
+                self._ahead(node)
+            except (CachefsError, OSError) as exc:     # its open goes the usual way (and says why)
+                log.debug("registering %s ahead of its open: %s", node.path, exc)
+        return bool(self._listed)
 
     async def _hand_over(self, inode: int, flags: int) -> int:
         version = self._handover_version(inode, flags, wait=True)
@@ -412,7 +437,8 @@ class Operations:
                 return
             if reply.plus:               # the kernel now holds the entry, as after a LOOKUP
                 self.vfs.remember(node)
-                self._ahead(node, listed=True)
+                if self._worth_ahead(node) and len(self._listed) < self.backings.max_idle:
+                    self._listed.append(node.inode)      # its backing registered when idle (``idle``)
 
     @_operation("releasedir")
     async def releasedir(self, fh):

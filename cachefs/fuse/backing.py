@@ -18,11 +18,12 @@ taken out of the table and kept, still answering the daemon's full-path opens of
 no loop can still answer an open with it and every file opened from the table on it is released
 (``sweep``, ticked by the loops).
 
-There a backing is also registered ahead, when a file is looked up or listed with its attributes
-(READDIRPLUS) and its verified cache file is at hand (``add`` with no open): the OPEN that follows
-is answered from the table (by a loop, or by the daemon's loop with no operation run). It starts
-idle, so it is bounded and closed like any idle one; a listing registers only while there is
-``room``, so a dataset listed whole keeps the first files it listed rather than churning.
+There a backing is also registered ahead, when a file is looked up, or listed with its attributes
+(READDIRPLUS: registered once no request waits), and its verified cache file is at hand (``add``
+with no open): the OPEN that follows is answered from the table (by a loop, or by the daemon's
+loop with no operation run). It starts idle, so it is bounded and closed like any idle one; a
+listing registers only while there is ``room``, so a dataset listed whole keeps the first files
+it listed rather than churning.
 
 A backing id lives in the connection, not in the daemon: one a previous daemon of the mount
 registered is taken over (``restore``) and answers every open of its inode from then on. How many

@@ -388,12 +388,16 @@ class Session(Opcodes):
 
     async def _loop(self, buf: bytearray) -> None:
         burst = 0
+        idle = getattr(self.ops, "idle", None)
         slot, into = self._slot(0, buf)
         while not self._stop:
             try:
                 length = os.readv(self.fd, [into])
             except BlockingIOError:
                 burst = 0
+                if idle is not None and idle():        # work for a quiet moment (Operations.idle)
+                    await trio.lowlevel.checkpoint()
+                    continue
                 if self.procs is not None and self.procs.reading:
                     # the loop processes read every request (a reader here too would be woken for
                     # each one and mostly find it taken); read again only once none is left

@@ -6,6 +6,7 @@ keeper, costs the readers nothing; a backing a loop still has files open on is n
 the daemon's own count of a backing's opens, which decides when it may close; and, with no loop
 process, the daemon's own answers from the table."""
 
+import collections
 import hashlib
 import json
 import os
@@ -297,17 +298,20 @@ def metrics_of(port: int) -> dict[str, float]:
 def test_a_listed_dataset_opens_from_the_table_with_no_lookup(dataset, mount_factory, bound):
     """A loader that lists its dataset first (ImageFolder): the kernel gets every entry with its
     attributes (READDIRPLUS) and opens them later with no LOOKUP, so the daemon registers each
-    listed file's backing as it lists it; every first open after a remount is then answered from
-    the table. Bounded by --fuse-idle-backings: a listing fills what room there is and pushes
-    no backing out (the files listed past it open the usual way)."""
+    listed file's backing once no request waits; every first open after a remount is then
+    answered from the table. Bounded by --fuse-idle-backings: a listing fills what room there
+    is and pushes no backing out (the files listed past it open the usual way)."""
     port = free_port()
     extra = ("--fuse-idle-backings", str(bound)) if bound else ()
     mnt = warmed(mount_factory, dataset, "--fuse-loops", "0", "--metrics-port", str(port), *extra)
     listed = sorted(os.path.relpath(os.path.join(top, name), mnt.path)
                     for top, _dirs, names in os.walk(mnt.path) for name in names)
     assert listed == sorted(FILES)
-    published = loop_status(mnt)["published"]
-    assert published == (bound or len(FILES)), loop_status(mnt)
+    deadline = time.monotonic() + 10
+    while loop_status(mnt)["published"] < (bound or len(FILES)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)                           # (none past the bound)
+    assert loop_status(mnt)["published"] == (bound or len(FILES)), loop_status(mnt)
     before = metrics_of(port)
     assert {name: (mnt / name).read_bytes() for name in listed} == FILES
     after = metrics_of(port)
@@ -494,3 +498,46 @@ def test_an_open_that_waited_counts_once_on_the_backing_another_open_registered(
             ops.backings.unbind(fh)
         assert ops.backings.by_inode[7].opens == 0 and 7 in ops.backings._idle
     trio.run(main)
+
+
+
+def test_listed_files_are_registered_a_few_at_a_time_while_there_is_room():
+    """``Operations.idle``: the files a READDIRPLUS listed get their backings a slice at a time,
+    skipping the ones forgotten or opened since; once idle backings are full the rest of the
+    queue is dropped, no backing pushed out."""
+    from cachefs.fuse.types import DirReply
+    nodes = {i: types.SimpleNamespace(inode=i, path=f"f{i}", is_dir=False, size=10, opens=0, restored=False,
+                                      lookups=0) for i in range(10, 40)}
+
+    def exact_file_now(version):
+        return ExactFile(fd=os.open(os.devnull, os.O_RDONLY), key=BlockKey("store", version, "etag", 10, 0), size=10)
+
+    ops = Operations.__new__(Operations)
+    ops.open_ahead, ops._listed = True, collections.deque()
+    ops.backings = Backings(lambda backing: None, max_idle=20)
+    ops.backings.attach(types.SimpleNamespace(ticks=[], publish=lambda inode, backing_id, slot: slot))
+    ops.kernel = types.SimpleNamespace(passthrough=True, backing_open=lambda fd: fd)
+    ops.vfs = types.SimpleNamespace(
+        blocks=types.SimpleNamespace(block_size=1 << 20, exact_file_now=exact_file_now),
+        handover_version=lambda inode, flags: f"f{inode}", find_node=nodes.get,
+        remember=lambda node: setattr(node, "lookups", node.lookups + 1),
+        readdir_entries=lambda fh, start: ((n.path, n, i + 1) for i, n in enumerate(nodes.values()) if i >= start),
+        dir_handle=lambda fh: trio.lowlevel.checkpoint(), ids_log_backing=lambda inode, backing_id: None)
+    ops._attr = lambda node: types.SimpleNamespace(ino=node.inode, mode=0o100644)
+
+    class Reply(DirReply):
+        def add(self, name, attr, next_offset):
+            return True
+
+    trio.run(Operations.readdir.__wrapped__, ops, 1, 0, Reply())
+    assert list(ops._listed) == list(range(10, 30)) and len(ops.backings) == 0   # queued, at most 20
+    for inode in range(100, 104):                  # four idle backings already: room for 16
+        ops.backings.add(inode, inode, ExactFile(fd=-1, key=BlockKey("store", f"g{inode}", "etag", 10, 0), size=10),
+                         opens=0)
+    nodes[10].lookups = 0                          # forgotten since
+    nodes[11].opens = 1                            # opened the usual way since
+    assert ops.idle() is True and len(ops.backings) == 4 + 6      # one slice: 8 looked at, 2 skipped
+    while ops.idle():
+        pass
+    assert len(ops.backings) == 20 and not ops._listed      # full: the rest dropped, none pushed out
+    assert sorted(ops.backings.by_inode) == [*range(12, 28), *range(100, 104)]
