@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the workdir (reuses the dataset and caches)")
     parser.add_argument("--list-first", action="store_true",
                         help="walk the tree before each disk-tier epoch (untimed), as ImageFolder does at start")
+    parser.add_argument("--list-pause", type=float, default=0.0, metavar="S",
+                        help="with --list-first: seconds between the walk and the epoch (a loader's workers starting)")
     args = parser.parse_args(argv)
     args.files = args.files if args.files is not None else (2000 if args.quick else 10_000)
     args.large_size = args.large_size or (256 * MiB if args.quick else 1024 * MiB)
@@ -114,6 +116,7 @@ class Bench:
             if found < len(self.order):
                 raise RuntimeError(f"listing {root} found {found} files, not {len(self.order)}")
             self.record(round_, who, "list", files_s=found / meter.seconds, meter=meter, files=found)
+            time.sleep(self.args.list_pause)
 
     def local_rows(self, round_: int) -> None:
         drop_page_cache()

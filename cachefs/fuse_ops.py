@@ -439,6 +439,8 @@ class Operations:
                 self.vfs.remember(node)
                 if self._worth_ahead(node) and len(self._listed) < self.backings.max_idle:
                     self._listed.append(node.inode)      # its backing registered when idle (``idle``)
+                    if len(self._listed) == 1:
+                        self.kernel.idle_work()
 
     @_operation("releasedir")
     async def releasedir(self, fh):

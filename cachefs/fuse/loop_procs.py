@@ -86,8 +86,12 @@ class LoopProcesses:
         return any(loop.ready and not loop.gone for loop in self.loops)
 
     async def changed(self) -> None:
-        """Until a loop starts reading or exits."""
+        """Until a loop starts reading or exits, or ``nudge``."""
         await self._changed.wait()
+
+    def nudge(self) -> None:
+        """Wake whoever waits in ``changed`` (the daemon has work for a quiet moment)."""
+        self._change()
 
     def _change(self) -> None:
         self._changed.set()

@@ -348,6 +348,13 @@ class Session(Opcodes):
         self._nursery.start_soon(self.procs.run)
         return True
 
+    def idle_work(self) -> None:
+        """The operations have work for a moment with no request (``ops.idle``): the request loop,
+        if it waits, looks at it now."""
+        self._stop_waiting()
+        if self.procs is not None:
+            self.procs.nudge()
+
     def _stop_waiting(self) -> None:
         if self._waiting is not None:
             self._waiting.cancel()

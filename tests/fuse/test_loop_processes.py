@@ -294,16 +294,17 @@ def metrics_of(port: int) -> dict[str, float]:
             if line.startswith("cachefs_")}
 
 
-@pytest.mark.parametrize("bound", [None, 4], ids=["all", "bounded"])
-def test_a_listed_dataset_opens_from_the_table_with_no_lookup(dataset, mount_factory, bound):
+@pytest.mark.parametrize("bound,loops", [(None, "0"), (4, "0"), (None, "2")], ids=["all", "bounded", "processes"])
+def test_a_listed_dataset_opens_from_the_table_with_no_lookup(dataset, mount_factory, bound, loops):
     """A loader that lists its dataset first (ImageFolder): the kernel gets every entry with its
     attributes (READDIRPLUS) and opens them later with no LOOKUP, so the daemon registers each
     listed file's backing once no request waits; every first open after a remount is then
     answered from the table. Bounded by --fuse-idle-backings: a listing fills what room there
-    is and pushes no backing out (the files listed past it open the usual way)."""
+    is and pushes no backing out (the files listed past it open the usual way). With loop
+    processes (which send the READDIRPLUS to the daemon and answer the opens themselves) too."""
     port = free_port()
     extra = ("--fuse-idle-backings", str(bound)) if bound else ()
-    mnt = warmed(mount_factory, dataset, "--fuse-loops", "0", "--metrics-port", str(port), *extra)
+    mnt = warmed(mount_factory, dataset, "--fuse-loops", loops, "--metrics-port", str(port), *extra)
     listed = sorted(os.path.relpath(os.path.join(top, name), mnt.path)
                     for top, _dirs, names in os.walk(mnt.path) for name in names)
     assert listed == sorted(FILES)
@@ -317,8 +318,10 @@ def test_a_listed_dataset_opens_from_the_table_with_no_lookup(dataset, mount_fac
     after = metrics_of(port)
     status = loop_status(mnt)
     assert after['cachefs_fuse_operations_total{op="lookup"}'] == before['cachefs_fuse_operations_total{op="lookup"}']
-    assert status["daemon"]["opens"] == (bound or len(FILES)), status          # the rest: the usual way
-    assert after["cachefs_passthrough_opens_total"] - before["cachefs_passthrough_opens_total"] == len(FILES)
+    from_table = status["daemon"]["opens"] + sum(loop["opens"] for loop in status["loops"])
+    assert from_table == (bound or len(FILES)), status          # the rest: the usual way
+    handed = 'cachefs_passthrough_opens_total', 'cachefs_fuse_loop_requests_total{answer="open"}'
+    assert sum(after.get(name, 0) - before.get(name, 0) for name in handed) == len(FILES)   # the daemon's, the loops'
     assert status["open_files"] == 0, status
     deadline = time.monotonic() + 10          # (the backings registered past the bound close as they go idle)
     while loop_status(mnt)["published"] > (bound or len(FILES)) and time.monotonic() < deadline:
@@ -516,7 +519,8 @@ def test_listed_files_are_registered_a_few_at_a_time_while_there_is_room():
     ops.open_ahead, ops._listed = True, collections.deque()
     ops.backings = Backings(lambda backing: None, max_idle=20)
     ops.backings.attach(types.SimpleNamespace(ticks=[], publish=lambda inode, backing_id, slot: slot))
-    ops.kernel = types.SimpleNamespace(passthrough=True, backing_open=lambda fd: fd)
+    woken = []
+    ops.kernel = types.SimpleNamespace(passthrough=True, backing_open=lambda fd: fd, idle_work=lambda: woken.append(1))
     ops.vfs = types.SimpleNamespace(
         blocks=types.SimpleNamespace(block_size=1 << 20, exact_file_now=exact_file_now),
         handover_version=lambda inode, flags: f"f{inode}", find_node=nodes.get,
@@ -531,6 +535,7 @@ def test_listed_files_are_registered_a_few_at_a_time_while_there_is_room():
 
     trio.run(Operations.readdir.__wrapped__, ops, 1, 0, Reply())
     assert list(ops._listed) == list(range(10, 30)) and len(ops.backings) == 0   # queued, at most 20
+    assert woken == [1]                            # the session's loop told once
     for inode in range(100, 104):                  # four idle backings already: room for 16
         ops.backings.add(inode, inode, ExactFile(fd=-1, key=BlockKey("store", f"g{inode}", "etag", 10, 0), size=10),
                          opens=0)
