@@ -6,7 +6,8 @@
 # ResNet-50 epoch fed from local disk and from a
 # cachefs mount (disk tier, page cache dropped). Each stage has its own time limit and writes its
 # results under $OUT as it goes, so a stage that fails or overruns leaves the others' figures.
-# Needs trio/outcome/sniffio wheels in .whl (Python 3.12). FILES, READERS, ROUNDS override.
+# Needs trio/outcome/sniffio wheels in .whl (Python 3.12). FILES, READERS, ROUNDS override;
+# LIST_FIRST=1 walks the tree before each disk-tier epoch (a loader that lists first).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -34,7 +35,7 @@ python3 -m cachefs status "$W/pre/mnt" --json > "$OUT/preflight_status.json" 2>&
 python3 -m cachefs umount "$W/pre/mnt" >> "$OUT/preflight.log" 2>&1
 grep -h '"passthrough"\|"protocol"' "$OUT/preflight_status.json" | head -3
 timeout "${FUSE_LIMIT:-330}" python3 -m benchmarks.bench_fuse --files "${FILES:-10000}" --readers "${READERS:-16}" \
-  --rounds "${ROUNDS:-2}" --fill read --keep --workdir "$W" --json "$OUT/fuse.json" \
+  --rounds "${ROUNDS:-2}" --fill read --keep --workdir "$W" --json "$OUT/fuse.json" ${LIST_FIRST:+--list-first} \
   --variants cachefs,--fuse-loops=0 cachefs,--fuse-loops=0,--fuse-loop-kind=thread \
     cachefs,--fuse-loops=4,--fuse-loop-kind=process cachefs,--fuse-loops=8,--fuse-loop-kind=process cachefs,--fuse-no-open \
   2>&1 | tee "$OUT/fuse.log"
