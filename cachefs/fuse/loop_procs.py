@@ -65,7 +65,7 @@ class Closing:
 
 class LoopProcesses:
     def __init__(self, dispatch: Callable[[memoryview, int], None], resend: Callable[[], None], *,
-                 count: int, nonce: int, slots: int = 81920, ready: Callable[[], None] = lambda: None) -> None:
+                 count: int, nonce: int, slots: int, ready: Callable[[], None] = lambda: None) -> None:
         self._dispatch = dispatch
         self._resend = resend
         self._ready = ready                       # called when a loop starts reading
