@@ -51,16 +51,19 @@ class Passthrough:
         """Where opens are answered from the loops' table, register the backing of a looked-up
         file whose verified cache file is at hand (no disk read) before the LOOKUP is answered: its
         OPEN, which follows at once, is then answered from the table (fuse/backing.py)."""
-        if not self._worth_ahead(node):
-            return node             # (a large file's whole-object file is not assembled for a lookup)
+        if self._worth_ahead(node):   # (a large file's whole-object file is not assembled for a lookup)
+            self._register_ahead(node)
+        return node
+
+    def _register_ahead(self, node: Node) -> None:
+        """Register ``node``'s backing, with no open, if its verified cache file is at hand."""
         try:
             version = self._handover_version(node.inode, os.O_RDONLY)
             exact = self.vfs.blocks.exact_file_now(version) if version is not None else None
         except NeedsWait:
-            return node
+            return
         if exact is not None:
             self._register_backing(node.inode, exact, opens=0)
-        return node
 
     def idle(self) -> bool:
         """No request is waiting (the session's loop found none): register the backings of a few
@@ -79,7 +82,7 @@ class Passthrough:
                 self._listed.clear()
                 return False
             try:
-                self._ahead(node)
+                self._register_ahead(node)         # (``_worth_ahead`` checked above)
             except (CachefsError, OSError) as exc:     # its open goes the usual way (and says why)
                 log.debug("registering %s ahead of its open: %s", node.path, exc)
             except Exception:
