@@ -19,7 +19,11 @@ with the daemon's CPU per file (``cpu_meter``). Local rows run before and after 
 of each round; ratios divide by their mean. ``--list-first`` walks the tree (untimed) before each
 disk-tier epoch, as a loader that scans its dataset at start does (torchvision's ImageFolder):
 the mount then answers the epoch's opens with no LOOKUP (READDIRPLUS gave the kernel every entry).
-Needs root (drop_caches, FUSE).
+``--warmup-first`` runs `cachefs warmup` of the whole mount (timed: its own row, ``warmup``)
+after each remount and drops only the page cache before the disk-tier epoch, as a researcher's
+warmup just before a run: on an ``--immutable`` mount it lists what it warmed through the mount,
+so a loader that opens files by name also opens with no LOOKUP. A variant's ``warmup:FLAG``
+goes to that warmup (``cachefs,warmup:--no-list``). Needs root (drop_caches, FUSE).
 
     sudo .venv/bin/python -m benchmarks.bench_fuse --quick
     sudo .venv/bin/python -m benchmarks.bench_fuse --readers 16 --variants "cachefs,--fuse-loops=1" "cachefs,--fuse-loops=4"
@@ -67,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="walk the tree before each disk-tier epoch (untimed), as ImageFolder does at start")
     parser.add_argument("--list-pause", type=float, default=0.0, metavar="S",
                         help="with --list-first: seconds between the walk and the epoch (a loader's workers starting)")
+    parser.add_argument("--warmup-first", action="store_true",
+                        help="after each remount, `cachefs warmup` the mount (timed), then drop only the page cache")
     args = parser.parse_args(argv)
     args.files = args.files if args.files is not None else (2000 if args.quick else 10_000)
     args.large_size = args.large_size or (256 * MiB if args.quick else 1024 * MiB)
@@ -74,8 +80,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def variant_flags(variant: str) -> tuple[str, list[str]]:
+    """A variant's name and its mount flags (its ``warmup:FLAG``s go to ``--warmup-first``'s warmup)."""
     backend, *flags = variant.split(",")
-    return variant, ["--fuse-backend", backend, *flags]
+    return variant, ["--fuse-backend", backend, *(f for f in flags if not f.startswith("warmup:"))]
+
+
+def warmup_flags(variant: str) -> list[str]:
+    return [f.removeprefix("warmup:") for f in variant.split(",")[1:] if f.startswith("warmup:")]
 
 
 class Bench:
@@ -126,9 +137,24 @@ class Bench:
         drop_page_cache()
         self.sequential(round_, "local disk", self.root / self.large.path)
 
+    def warmed_first(self, round_: int, variant: str, mnt: CachefsMount) -> None:
+        """``--warmup-first``: `cachefs warmup` of the whole (already cached) mount in the new
+        daemon, its own row (``warmup``: files checked, and listed through the mount unless the
+        variant says ``warmup:--no-list``, per second), then the page cache dropped, the
+        kernel's entries kept."""
+        if self.args.warmup_first:
+            with CpuMeter(daemon=with_children(mnt.pid)) as meter:
+                result = mnt.run("warmup", "-q", *warmup_flags(variant), str(mnt.mountpoint), timeout=3600)
+            if result.returncode != 0:
+                raise RuntimeError(f"warmup failed: {result.stderr.strip()}")
+            self.record(round_, variant, "warmup", files_s=(len(self.order) + 1) / meter.seconds,
+                        seconds=meter.seconds, meter=meter, files=len(self.order) + 1)
+            drop_page_cache(keep_inodes=True)
+
     def mount_rows(self, round_: int, variant: str) -> None:
         drop_page_cache()
         with self.mount(variant) as mnt:
+            self.warmed_first(round_, variant, mnt)
             self.listed(round_, variant, mnt.mountpoint, mnt.pid)
             self.epoch(round_, variant, "disk", mnt.mountpoint, mnt.pid)
             self.epoch(round_, variant, "hot", mnt.mountpoint, mnt.pid, passes=self.args.hot_passes)
@@ -167,16 +193,24 @@ def summary(rows: list[dict], variants: list[str]) -> list[str]:
     """Per variant and row kind: the median over rounds, and the ratio to local disk (its rows
     of the same round: the mean of the runs before and after)."""
     listing = any(r["kind"] == "list" for r in rows)      # --list-first: the walk before each disk-tier epoch
+    warming = any(r["kind"] == "warmup" for r in rows)    # --warmup-first: a warmup after each remount
     lines = ["| variant | disk tier files/s (x local) | daemon ms/file | hot files/s (x page cache) | "
              "disk tier, inodes known (x local) | daemon ms/file | large MB/s, first open (x local dd) | "
-             "large, opened again |" + (" listing entries/s (x local) | daemon ms/entry |" if listing else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|" if listing else "")]
+             "large, opened again |" + (" listing entries/s (x local) | daemon ms/entry |" if listing else "")
+             + (" warmup files/s | warmup s |" if warming else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if listing else "") + ("---|---|" if warming else "")]
     kinds = [("disk", "files_s"), ("hot", "files_s"), ("known", "files_s"), ("large", "mb_s"), ("again", "mb_s")]
     for variant in variants:
         cells = []
-        for kind, unit in kinds + ([("list", "files_s")] if listing else []):
+        for kind, unit in kinds + ([("list", "files_s")] if listing else []) + (
+                [("warmup", "files_s")] if warming else []):
             ratios, values, cpu = [], [], []
             base = {"again": "large", "known": "disk"}.get(kind, kind)
+            if kind == "warmup":            # no local row: files/s and seconds
+                runs = sorted((r for r in rows if r["who"] == variant and r["kind"] == kind), key=lambda r: r[unit])
+                cells += [f"{runs[len(runs) // 2][unit]:,.0f}", f"{min(r['seconds'] for r in runs):.1f}-"
+                          f"{max(r['seconds'] for r in runs):.1f}"] if runs else ["-", "-"]
+                continue
             for row in (r for r in rows if r["who"] == variant and r["kind"] == kind):
                 local = [r[unit] for r in rows if r["who"] == "local disk" and r["kind"] == base
                          and r["round"] in (row["round"], row["round"] + 1)]

@@ -106,7 +106,7 @@ class Daemon:
         # a packed dataset (cachefs pack): its index is the listing; read-only, immutable while mounted
         self.packed = (PackedView(store, *packed, self.tiers, metrics, fetched=fetched, shard_read=shard_read)
                        if packed is not None else None)
-        immutable = cfg.immutable or self.packed is not None
+        self.immutable = immutable = cfg.immutable or self.packed is not None
         try:
             snapshot = ListingSnapshot(cfg.cache_dir, store.identity) if self.packed is None else None
         except (OSError, sqlite3.Error) as exc:
@@ -148,8 +148,11 @@ class Daemon:
                      len(self.ids.known.nodes), len(self.ids.known.backings))
 
     def _advertised(self) -> dict:
-        """What the control handshake tells a client beyond the protocol: the loader channel."""
-        return {"loader_channel": self.loader_channel.advertised() if self.loader_channel is not None else None}
+        """What the control handshake tells a client beyond the protocol: the loader channel, and
+        whether the kernel keeps this mount's entries (immutable: `cachefs warmup` then lists what
+        it warmed through the mount, so a first epoch opens it with no LOOKUP)."""
+        return {"loader_channel": self.loader_channel.advertised() if self.loader_channel is not None else None,
+                "immutable": self.immutable}
 
     def status(self) -> dict:
         m = self.metrics

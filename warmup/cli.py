@@ -13,7 +13,8 @@ from cachefs.errors import CachefsError, ExitCode, PermissionDenied, Unsupported
 
 from .locate import Target, locate, one_mount
 from .manifest import read_manifest
-from .progress import ProgressBar, check_report, summary
+from .progress import ProgressBar, check_report, listing_line, summary
+from .walk import list_through
 
 
 class WarmupExit:
@@ -48,6 +49,9 @@ def register(subparsers) -> None:
     p.add_argument("--check", action="store_true", help="report how much is cached, per tier (fetches nothing)")
     p.add_argument("--evict", action="store_true", help="drop the dataset from the cache (and its pin)")
     p.add_argument("--detach", action="store_true", help="start the warmup in the daemon and return")
+    p.add_argument("--no-list", dest="list_after", action="store_false",
+                   help="do not list the warmed dataset through the mount afterwards (on --immutable mounts "
+                   "it is, so that a first epoch that opens files by name sends no lookup)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
     p.add_argument("--json", action="store_true", help="progress and summary as JSON lines on stdout")
     p.set_defaults(func=run)
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--concurrency must be >= 1")
     command = "warmup_check" if args.check else "warmup_evict" if args.evict else \
         "warmup_unpin" if args.unpin else "warmup"
-    mountpoint, payload = _payload(args, command)
+    mountpoint, payload, walk = _payload(args, command)
     if args.check:
         return _simple(mountpoint, command, payload, args, lambda r: check_report(payload["label"], r))
     if args.evict:
@@ -75,11 +79,13 @@ def run(args: argparse.Namespace) -> int:
     payload.update(concurrency=args.concurrency, force=args.force, pin=args.pin, detach=args.detach,
                    bandwidth_limit=parse_size(args.bandwidth_limit, "--bandwidth-limit")
                    if args.bandwidth_limit else None)
-    return _warm(mountpoint, payload, args)
+    return _warm(mountpoint, payload, args, None if args.detach else walk)
 
 
 # ---- the request ---------------------------------------------------------------------------------
-def _payload(args: argparse.Namespace, command: str) -> tuple[str, dict]:
+def _payload(args: argparse.Namespace, command: str) -> tuple[str, dict, dict | None]:
+    """The mount, the request, and what to list through the mount after a warmup (None: nothing,
+    the mount's entries are not kept)."""
     if not args.datasets and not args.manifest:
         raise UsageError("name a DATASET or a --manifest")
     targets = [locate(d) for d in args.datasets]
@@ -88,14 +94,16 @@ def _payload(args: argparse.Namespace, command: str) -> tuple[str, dict]:
         if args.manifest else []
     mountpoint = one_mount(targets + entries)
     manifest_paths = [t.path for t in entries if not t.is_glob]
-    _handshake(mountpoint, [command, "warmup_paths"] if manifest_paths else [command])
+    daemon = _handshake(mountpoint, [command, "warmup_paths"] if manifest_paths else [command])
     payload = {"label": args.manifest or " ".join(args.datasets)}
     plain = [t.path for t in targets if not t.is_glob] if not args.manifest else []
     payload["paths"] = plain
     payload["globs"] = [t.path for t in targets + entries if t.is_glob]
     if manifest_paths:
         payload["upload"] = _upload(mountpoint, manifest_paths)
-    return mountpoint, payload
+    walk = {"paths": plain, "globs": payload["globs"], "files": manifest_paths} \
+        if daemon.get("immutable") and args.list_after else None
+    return mountpoint, payload, walk
 
 
 def _cwd_base() -> Target | None:
@@ -118,7 +126,7 @@ def _upload(mountpoint: str, paths: list[str]) -> str:
     return upload
 
 
-def _handshake(mountpoint: str, commands: list[str]) -> None:
+def _handshake(mountpoint: str, commands: list[str]) -> dict:
     """Ask the daemon what it supports and allows this user before sending anything (a manifest
     upload would otherwise be refused half-way)."""
     daemon = hello(mountpoint)
@@ -130,6 +138,7 @@ def _handshake(mountpoint: str, commands: list[str]) -> None:
     if restricted and not daemon["may_change"]:
         raise PermissionDenied(f"{mountpoint}: only root and the mount's owner may warm, evict, pin or unpin "
                                f"(--check is open to every user)")
+    return daemon
 
 
 def _one(mountpoint: str, command: str, payload: dict) -> dict:
@@ -148,14 +157,14 @@ def _simple(mountpoint: str, command: str, payload: dict, args, render) -> int:
     return 0
 
 
-def _warm(mountpoint: str, payload: dict, args: argparse.Namespace) -> int:
+def _warm(mountpoint: str, payload: dict, args: argparse.Namespace, walk: dict | None) -> int:
     bar = ProgressBar() if sys.stderr.isatty() and not (args.quiet or args.json) else None
     last = None
     replies = request(mountpoint, "warmup", **payload)
     try:
         for reply in replies:
-            if args.json:
-                print(json.dumps(reply), flush=True)
+            if args.json and not (walk is not None and reply.get("event") == "done"):
+                print(json.dumps(reply), flush=True)        # the summary last: after the listing's
             if reply.get("event") in ("progress", "done"):
                 last = reply
                 if bar is not None and reply["event"] == "progress":
@@ -178,7 +187,31 @@ def _warm(mountpoint: str, payload: dict, args: argparse.Namespace) -> int:
         raise CachefsError("the daemon ended the warmup without a summary")
     if not args.quiet and not args.json:
         print(summary(last))
+    try:
+        if walk is not None and last["state"] == "done":
+            _list_after(mountpoint, walk, args)
+    except KeyboardInterrupt:
+        return WarmupExit.INTERRUPTED
+    finally:
+        if args.json and walk is not None:
+            print(json.dumps(last), flush=True)
     return _exit_code(last)
+
+
+def _list_after(mountpoint: str, walk: dict, args: argparse.Namespace) -> None:
+    """List what was warmed through the mount (warmup/walk.py): the kernel keeps the entries of
+    an immutable mount, and a first epoch that opens the files by name then sends no LOOKUP."""
+    bar = ProgressBar() if sys.stderr.isatty() and not (args.quiet or args.json) else None
+    try:
+        listed = list_through(mountpoint, walk["paths"], walk["globs"], walk["files"],
+                              bar.listing if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps(listed.as_event()), flush=True)
+    elif not args.quiet:
+        print(listing_line(listed))
 
 
 def _exit_code(final: dict) -> int:

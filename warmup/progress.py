@@ -34,6 +34,13 @@ class ProgressBar:
         self.stream.flush()
         self.drawn = True
 
+    def listing(self, listed) -> None:
+        """The listing through the mount after a warmup (warmup/walk.py)."""
+        self.stream.write(f"\rwarmup: listing through the mount: {listed.entries} entries, "
+                          f"{listed.directories} directories ")
+        self.stream.flush()
+        self.drawn = True
+
     def close(self) -> None:
         if self.drawn:
             self.stream.write("\n")
@@ -59,6 +66,13 @@ def summary(r: dict, interrupted: bool = False) -> str:
     if interrupted:
         lines.append("  run the same command again to fetch only what is missing")
     return "\n".join(lines)
+
+
+def listing_line(listed) -> str:
+    errors = f", {listed.errors} could not be listed" if listed.errors else ""
+    dirs = f"{listed.directories} director{'y' if listed.directories == 1 else 'ies'}"
+    return (f"  listed   {listed.entries} entries in {dirs} through the mount in "
+            f"{listed.seconds:.1f} s{errors} (a first epoch opens them with no lookup)")
 
 
 def check_report(label: str, c: dict) -> str:

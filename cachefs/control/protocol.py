@@ -33,7 +33,8 @@ PROTOCOL_VERSION = 1                 # raise it when a request or reply changes 
 MIN_PROTOCOL_VERSION = 1             # the oldest client protocol this daemon still answers
 MAX_REQUEST = 1 << 20                # bytes in one request (a manifest is sent in parts)
 HELLO = "hello"                      # the handshake: {"protocol", "version", "commands", "restricted",
-                                     #   "may_change", "loader_channel": {"socket", "wire"} or None}
+                                     #   "may_change", "loader_channel": {"socket", "wire"} or None,
+                                     #   "immutable": entries kept by the kernel (absent: older daemon)}
 IOCTL_PIECE = 4096                   # bytes of one ioctl's buffer (a 4-byte length, then data)
 IOCTL_SEND = 0x40000000 | (IOCTL_PIECE << 16) | (ord("C") << 8) | 1      # _IOW('C', 1, 4096)
 IOCTL_RECEIVE = 0x80000000 | (IOCTL_PIECE << 16) | (ord("C") << 8) | 2   # _IOR('C', 2, 4096)

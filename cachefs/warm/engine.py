@@ -40,7 +40,8 @@ from cachefs.packed.view import PackedView
 from cachefs.ports import Port
 from cachefs.store import ObjectInfo, ObjectStore
 from cachefs.tiers.cache import FileVersion, Tiers
-from cachefs.warm.job import Bandwidth, FileWork, WarmJob, WarmSpec, glob_regex, static_dir
+from cachefs.warm.globs import glob_regex, static_dir
+from cachefs.warm.job import Bandwidth, FileWork, WarmJob, WarmSpec
 from cachefs.warm.metrics import WarmupMetrics
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,6 @@ Plain data owned by the trio thread; ``cachefs/warm/engine.py`` (``Warmer``) run
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -46,50 +45,6 @@ def _clean(path: str) -> str:
     if ".." in parts:
         raise ValueError(f"path must stay inside the mount: {path!r}")
     return "/".join(parts)
-
-
-def glob_regex(pattern: str) -> re.Pattern:
-    """A glob over "/"-separated paths: ``*``, ``?`` and ``[...]`` stay within one component,
-    a ``**`` component matches any number of them."""
-    out = []
-    segments = pattern.split("/")
-    for i, seg in enumerate(segments):
-        last = i == len(segments) - 1
-        if seg == "**":
-            out.append(".*" if last else "(?:[^/]+/)*")
-        else:
-            out.append(_segment_regex(seg) + ("" if last else "/"))
-    return re.compile("".join(out) + r"\Z")
-
-
-def _segment_regex(seg: str) -> str:
-    out, i = [], 0
-    while i < len(seg):
-        c = seg[i]
-        close = seg.find("]", i + 2) if c == "[" else -1
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif close > 0:
-            body = seg[i + 1:close]
-            out.append("[^" + re.escape(body[1:]) + "]" if body[:1] in ("!", "^")
-                       else "[" + re.escape(body) + "]")
-            i = close
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out)
-
-
-def static_dir(pattern: str) -> str:
-    """The directory above a glob's first wildcard component."""
-    static = []
-    for seg in pattern.split("/")[:-1]:
-        if any(c in seg for c in "*?["):
-            break
-        static.append(seg)
-    return "/".join(static)
 
 
 class FileWork:

@@ -329,6 +329,41 @@ def test_a_listed_dataset_opens_from_the_table_with_no_lookup(dataset, mount_fac
     assert loop_status(mnt)["published"] == (bound or len(FILES)), loop_status(mnt)
 
 
+@pytest.mark.parametrize("listing", [True, False], ids=["listed", "no-list"])
+def test_a_warmed_dataset_opens_by_name_with_no_lookup(dataset, mount_factory, listing):
+    """`cachefs warmup` of an --immutable mount lists what it warmed through the mount: a loader
+    that then opens every file by name (a manifest: no listing of its own) sends no LOOKUP, and
+    each first open is answered from the table. With --no-list each first open is looked up."""
+    port = free_port()
+    url, args = dataset
+    mnt = mount_factory(url, *args, *LOOPS, "--metrics-port", str(port)).start()
+    reading(mnt)
+    result = cachefs("warmup", "--json", *(() if listing else ("--no-list",)), str(mnt.path))
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert [e for e in events if e.get("event") == "done"][0]["fetched_files"] == len(FILES)
+    listed = [e for e in events if e.get("event") == "listed"]
+    if listing:
+        assert len(listed) == 1 and listed[0]["errors"] == 0 and listed[0]["directories"] == 5, listed
+        assert listed[0]["entries"] >= len(FILES) + 4, listed          # (+ the root's control file)
+        deadline = time.monotonic() + 10
+        while loop_status(mnt)["published"] < len(FILES) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        assert listed == []
+    before = metrics_of(port)
+    assert {name: (mnt / name).read_bytes() for name in sorted(FILES)} == FILES
+    after = metrics_of(port)
+    status = loop_status(mnt)
+    lookups = after['cachefs_fuse_operations_total{op="lookup"}'] - before['cachefs_fuse_operations_total{op="lookup"}']
+    from_table = status["daemon"]["opens"] + sum(loop["opens"] for loop in status["loops"])
+    if listing:
+        assert lookups == 0 and from_table == len(FILES), (lookups, status)
+    else:
+        assert lookups >= len(FILES) + 4, lookups                    # each file and its folder
+    assert status["open_files"] == 0, status
+
+
 @pytest.mark.parametrize("loops", ["2", "0"], ids=["processes", "table-only"])
 def test_eviction_churn_under_loop_processes_never_fails_an_open(dataset, mount_factory, tmp_path, loops):
     """Idle backings bounded to a quarter of a 256 KiB tier: they are closed and registered

@@ -13,7 +13,8 @@ from cachefs.tiers.cache import FileVersion
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.disk.index import Entry, SegmentedLRU
 from cachefs.warm.engine import Warmer
-from cachefs.warm.job import WarmSpec, glob_regex, static_dir
+from cachefs.warm.globs import glob_regex, static_dir
+from cachefs.warm.job import WarmSpec
 
 
 def run_with(bucket, tmp_path, body, *, capacity: int = 64 << 20):

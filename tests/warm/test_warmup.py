@@ -72,6 +72,7 @@ def test_warm_then_read_everything_with_the_store_refusing(proxied, mount_factor
     assert done["fetched_files"] == len([v for v in wanted.values() if v])
     assert done["bytes"] == sum(map(len, wanted.values())) == done["done_bytes"]
     assert mnt.requests("get") == sum(-(-len(v) // BLOCK) for v in wanted.values())
+    assert not [r for r in lines if r.get("event") == "listed"]   # a mutable mount's entries expire: no listing
 
     code, lines, _ = warmup("--check", str(mnt / "ds"))
     check = final(lines)

@@ -44,8 +44,9 @@ def test_warmup_request_payload_is_in_the_commands_schema(monkeypatch):
     from warmup import cli
 
     sent = {}
-    monkeypatch.setattr(cli, "_payload", lambda args, command: ("/mnt", {"label": "ds", "paths": ["ds"], "globs": []}))
-    monkeypatch.setattr(cli, "_warm", lambda mountpoint, payload, args: sent.update(payload) or 0)
+    monkeypatch.setattr(cli, "_payload", lambda args, command: ("/mnt", {"label": "ds", "paths": ["ds"], "globs": []},
+                                                                None))
+    monkeypatch.setattr(cli, "_warm", lambda mountpoint, payload, args, walk: sent.update(payload) or 0)
     args = build_parser().parse_args(["warmup", "/mnt/ds", "--bandwidth-limit", "200M", "--pin", "--concurrency", "4"])
     assert cli.run(args) == 0
     assert sent["bandwidth_limit"] == 200 << 20 and sent["pin"] is True and sent["concurrency"] == 4
