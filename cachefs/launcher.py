@@ -259,9 +259,12 @@ def restart(mountpoint: str, *, cfg: MountConfig | None = None, timeout: float =
 def warm(mountpoint: str, paths: list[str], *, detach: bool = False, concurrency: int = 32) -> dict | None:
     """Have the daemon at ``mountpoint`` warm ``paths`` (relative to the mount root) into its disk
     tier; its final report (``state``: done, refused, failed, cancelled; counts), or None when
-    ``detach`` (it goes on in the daemon). Raises NoDaemon, PermissionDenied, Unsupported (the
-    control channel's typed errors) or CachefsError when the daemon gives no report."""
-    from cachefs.control.client import request
+    ``detach`` (it goes on in the daemon). A warmup done on an immutable mount is then listed
+    through the mount (``warm/walk.py``; the report's ``listed``: its counts). Raises NoDaemon,
+    PermissionDenied, Unsupported (the control channel's typed errors) or CachefsError when the
+    daemon gives no report."""
+    from cachefs.control.client import hello, request
+    from cachefs.warm.walk import list_through
 
     clean = [p.strip("/") for p in paths]
     payload = {"label": ", ".join(clean) or "/", "paths": clean, "globs": [], "concurrency": concurrency,
@@ -274,6 +277,8 @@ def warm(mountpoint: str, paths: list[str], *, detach: bool = False, concurrency
         return None
     if final is None:
         raise CachefsError(f"the daemon of {mountpoint} ended the warmup without a report")
+    if final["state"] == "done" and hello(mountpoint).get("immutable"):
+        final["listed"] = list_through(mountpoint, clean, [], []).as_event()
     return final
 
 

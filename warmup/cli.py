@@ -10,11 +10,11 @@ import sys
 
 from cachefs.control.client import hello, request
 from cachefs.errors import CachefsError, ExitCode, PermissionDenied, Unsupported, UsageError, exit_codes_help
+from cachefs.warm.walk import list_through
 
 from .locate import Target, locate, one_mount
 from .manifest import read_manifest
 from .progress import ProgressBar, check_report, listing_line, summary
-from .walk import list_through
 
 
 class WarmupExit:

@@ -329,6 +329,9 @@ class VolumeManager:
         except CachefsError as exc:
             log.warning("volume %s: warmup of %s: %s", vol.volume_id, ", ".join(vol.warmup), exc)
             return
+        if final is not None and final.get("listed"):
+            log.info("volume %s: warmed %s; listed %d entries through the mount in %.1f s", vol.volume_id,
+                     ", ".join(vol.warmup), final["listed"]["entries"], final["listed"]["seconds"])
         if final is not None and (final["state"] != "done" or final.get("failed_files")):
             log.warning("volume %s: warmup of %s ended %s (%s failed file(s)): %s", vol.volume_id,
                         ", ".join(vol.warmup), final["state"], final.get("failed_files"), final.get("error_detail"))

@@ -3,8 +3,8 @@ deep a glob takes it, and what it counts when a path cannot be listed."""
 
 import os
 
+from cachefs.warm.walk import Listed, _depth, list_through
 from warmup.progress import listing_line
-from warmup.walk import Listed, _depth, list_through
 
 
 def tree(root, names):

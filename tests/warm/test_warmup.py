@@ -95,6 +95,24 @@ def test_warm_then_read_everything_with_the_store_refusing(proxied, mount_factor
     assert code == 0 and again["fetched_files"] == 0 and again["cached_files"] == len(wanted)
 
 
+@pytest.mark.parametrize("immutable", [True, False], ids=["immutable", "mutable"])
+def test_a_warmup_the_launcher_waits_for_is_listed_on_an_immutable_mount(proxied, mount_factory, immutable):
+    """``launcher.warm`` (the CSI agent's warmup at stage, waited for) lists what it warmed through
+    an immutable mount, as `cachefs warmup` does: every directory of the path, once each."""
+    from cachefs import launcher
+
+    proxy, bucket, client = proxied
+    put_tree(client, bucket, "", make_files())
+    mnt = mount(proxy, bucket, mount_factory, *(("--immutable",) if immutable else ()))
+    final = launcher.warm(str(mnt.path), ["ds"])
+    assert final["state"] == "done" and final["failed_files"] == 0
+    if immutable:      # ds: train, val; train: c0-c2, empty.txt; c0-c2: 24 files; val: big.bin
+        assert {k: final["listed"][k] for k in ("entries", "directories", "errors")} == \
+            {"entries": 2 + 4 + 24 + 1, "directories": 6, "errors": 0}, final["listed"]
+    else:
+        assert "listed" not in final
+
+
 def test_manifest_glob_url_and_evict(proxied, mount_factory, tmp_path):
     proxy, bucket, client = proxied
     files = make_files()

@@ -8,7 +8,9 @@ warmup lists the dataset once, right after warming it: every entry comes with it
 moments. The epoch's opens then find their entries in the kernel and their backings in the loops'
 table, as a loader that lists first does (ImageFolder).
 
-Best effort: an entry that cannot be listed is counted, never an error of the warmup.
+Client side, not the daemon's (a daemon listing its own mount would wait on itself): `cachefs
+warmup` and ``launcher.warm`` (the CSI agent's warmup at stage) call it once the daemon reports
+the warmup done. Best effort: an entry that cannot be listed is counted, never an error.
 """
 
 import os
