@@ -44,7 +44,8 @@ def list_through(mountpoint: str, paths: list[str], globs: list[str], files: lis
     started, tally = time.monotonic(), Listed()
     level = [(os.path.join(mountpoint, p), None) for p in paths]
     level += [(os.path.join(mountpoint, static_dir(g)), _depth(g)) for g in globs]
-    with ThreadPoolExecutor(THREADS, thread_name_prefix="cachefs-list") as pool:
+    pool = ThreadPoolExecutor(THREADS, thread_name_prefix="cachefs-list")
+    try:
         for start in range(0, len(files), _BATCH):
             for ok in pool.map(_look_up, [os.path.join(mountpoint, f) for f in files[start:start + _BATCH]]):
                 tally.entries += ok
@@ -59,6 +60,8 @@ def list_through(mountpoint: str, paths: list[str], globs: list[str], files: lis
                 below += subdirs
             level = below
             _report(tally, started, progress)
+    finally:                                # Ctrl-C: what is queued is dropped, not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
     tally.seconds = time.monotonic() - started
     return tally
 

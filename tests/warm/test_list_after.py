@@ -3,6 +3,8 @@ deep a glob takes it, and what it counts when a path cannot be listed."""
 
 import os
 
+import pytest
+
 from cachefs.warm.walk import Listed, _depth, list_through
 from warmup.progress import listing_line
 
@@ -44,3 +46,21 @@ def test_the_whole_mount_and_a_path_that_is_gone(tmp_path):
     gone = list_through(str(tmp_path), ["d0"], [], [])
     assert (gone.entries, gone.directories, gone.errors) == (0, 0, 1)
     assert "could not" not in listing_line(Listed(3, 1, 0, 0.5))
+
+
+def test_ctrl_c_stops_the_listing_at_once(tmp_path, monkeypatch):
+    """A Ctrl-C (here raised by the progress callback after the first level) ends the listing:
+    no directory below is listed."""
+    from cachefs.warm import walk
+
+    tree(tmp_path, [f"d{i}/e{j}/f" for i in range(4) for j in range(4)])
+    scanned = []
+    real = walk._scan
+    monkeypatch.setattr(walk, "_scan", lambda item: scanned.append(item[0]) or real(item))
+
+    def interrupt(_listed):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        list_through(str(tmp_path), [""], [], [], interrupt)
+    assert scanned == [str(tmp_path) + "/"]
