@@ -284,17 +284,15 @@ class Session(Opcodes):
         await self._initialized.wait()
         if self.options.loop_processes and self._start_processes():
             return
-        if self.options.loops <= 0:
-            self._keep_given()
-            return
         for i in range(self.options.loops):
             fd = self._clone()
-            if fd is None:
+            if fd is None:                    # (every given clone was taken first)
                 log.info("%d request loop(s) only", i + 1)
                 return
             threading.Thread(target=self._clone_loop, args=(fd, len(self._clones)), name=f"fuse-loop-{i + 1}",
                              daemon=True).start()
-        log.info("%d extra FUSE request loop(s) on cloned descriptors", self.options.loops)
+        if self.options.loops > 0:
+            log.info("%d extra FUSE request loop(s) on cloned descriptors", self.options.loops)
         self._keep_given()
 
     def _clone(self) -> int | None:
