@@ -329,23 +329,31 @@ def test_a_listed_dataset_opens_from_the_table_with_no_lookup(dataset, mount_fac
     assert loop_status(mnt)["published"] == (bound or len(FILES)), loop_status(mnt)
 
 
-@pytest.mark.parametrize("listing", [True, False], ids=["listed", "no-list"])
-def test_a_warmed_dataset_opens_by_name_with_no_lookup(dataset, mount_factory, listing):
-    """`cachefs warmup` of an --immutable mount lists what it warmed through the mount: a loader
-    that then opens every file by name (a manifest: no listing of its own) sends no LOOKUP, and
-    each first open is answered from the table. With --no-list each first open is looked up."""
+@pytest.mark.parametrize("how", ["listed", "manifest", "no-list"])
+def test_a_warmed_dataset_opens_by_name_with_no_lookup(dataset, mount_factory, tmp_path, how):
+    """`cachefs warmup` of an --immutable mount lists what it warmed through the mount (a
+    manifest's paths: each looked up): a loader that then opens every file by name (no listing
+    of its own) sends no LOOKUP, and each first open is answered from the table. With --no-list
+    each first open is looked up."""
     port = free_port()
     url, args = dataset
     mnt = mount_factory(url, *args, *LOOPS, "--metrics-port", str(port)).start()
     reading(mnt)
-    result = cachefs("warmup", "--json", *(() if listing else ("--no-list",)), str(mnt.path))
+    listing = how != "no-list"
+    manifest = tmp_path / "files.txt"
+    manifest.write_text("".join(f"{name}\n" for name in FILES))
+    what = ("--manifest", str(manifest), str(mnt.path)) if how == "manifest" else (str(mnt.path),)
+    result = cachefs("warmup", "--json", *(() if listing else ("--no-list",)), *what)
     assert result.returncode == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
-    assert [e for e in events if e.get("event") == "done"][0]["fetched_files"] == len(FILES)
+    assert events[-1]["event"] == "done" and events[-1]["fetched_files"] == len(FILES)   # the summary last
     listed = [e for e in events if e.get("event") == "listed"]
-    if listing:
+    if how == "manifest":
+        assert [(e["entries"], e["directories"], e["errors"]) for e in listed] == [(len(FILES), 0, 0)]
+    if how == "listed":
         assert len(listed) == 1 and listed[0]["errors"] == 0 and listed[0]["directories"] == 5, listed
         assert listed[0]["entries"] >= len(FILES) + 4, listed          # (+ the root's control file)
+    if listing:
         deadline = time.monotonic() + 10
         while loop_status(mnt)["published"] < len(FILES) and time.monotonic() < deadline:
             time.sleep(0.05)
