@@ -193,13 +193,13 @@ def _warm(mountpoint: str, payload: dict, args: argparse.Namespace, walk: dict |
     except KeyboardInterrupt:
         return WarmupExit.INTERRUPTED
     finally:
-        if args.json and walk is not None:
-            print(json.dumps(last), flush=True)
+        if args.json and walk is not None and last.get("event") == "done":
+            print(json.dumps(last), flush=True)       # held back in the loop above
     return _exit_code(last)
 
 
 def _list_after(mountpoint: str, walk: dict, args: argparse.Namespace) -> None:
-    """List what was warmed through the mount (warmup/walk.py): the kernel keeps the entries of
+    """List what was warmed through the mount (cachefs/warm/walk.py): the kernel keeps the entries of
     an immutable mount, and a first epoch that opens the files by name then sends no LOOKUP."""
     bar = ProgressBar() if sys.stderr.isatty() and not (args.quiet or args.json) else None
     try:
