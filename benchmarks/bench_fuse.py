@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="walk the tree before each disk-tier epoch (untimed), as ImageFolder does at start")
     parser.add_argument("--list-pause", type=float, default=0.0, metavar="S",
                         help="with --list-first: seconds between the walk and the epoch (a loader's workers starting)")
+    parser.add_argument("--buffered-open", action="store_true",
+                        help="readers open each file as PIL/torchvision do (open(path, 'rb'): an isatty ioctl per "
+                        "open on CPython < 3.14), not unbuffered")
     parser.add_argument("--warmup-first", action="store_true",
                         help="after each remount, `cachefs warmup` the mount (timed), then drop only the page cache")
     args = parser.parse_args(argv)
@@ -168,7 +171,8 @@ class Bench:
     def epoch(self, round_: int, who: str, kind: str, root: Path, pid: int | None, passes: int = 1) -> None:
         order = self.order * passes
         with CpuMeter(daemon=with_children(pid)) as meter:
-            result = readers.read_files(f"{who} {kind}", root, order, self.args.readers, verify_every=10)
+            result = readers.read_files(f"{who} {kind}", root, order, self.args.readers, verify_every=10,
+                                        buffered=self.args.buffered_open)
         if not result.ok:
             raise RuntimeError(f"{who} {kind}: {result.tally}")
         self.record(round_, who, kind, files_s=len(order) / result.seconds, meter=meter, files=len(order))

@@ -94,9 +94,12 @@ def check(tally: Tally, entry: Entry, n: int, digest: str | None) -> None:
 
 
 # ---- files, in processes ---------------------------------------------------------------------------
-def read_file(path: str, buf: memoryview, hasher) -> int:
+def read_file(path: str, buf: memoryview, hasher, buffered: bool = False) -> int:
+    """Read ``path`` whole into ``buf`` in pieces. ``buffered``: opened as PIL and torchvision's
+    loaders open an image (``open(path, "rb")``: on CPython before 3.14 that asks the file
+    ``isatty``, an ioctl each open, which a FUSE mount answers as a request of its own)."""
     n_total = 0
-    with open(path, "rb", buffering=0) as fh:
+    with open(path, "rb") if buffered else open(path, "rb", buffering=0) as fh:
         while n := fh.readinto(buf):
             if hasher is not None:
                 hasher.update(buf[:n])
@@ -104,13 +107,13 @@ def read_file(path: str, buf: memoryview, hasher) -> int:
     return n_total
 
 
-def read_slice(root: Path, entries: list[Entry], verify_every: int) -> Tally:
+def read_slice(root: Path, entries: list[Entry], verify_every: int, buffered: bool = False) -> Tally:
     tally = Tally()
     buf = memoryview(bytearray(BUF_SIZE))
     for i, entry in enumerate(entries):
         hasher = xxhash.xxh3_64() if verify_every and i % verify_every == 0 else None
         try:
-            n = read_file(os.path.join(root, entry.path), buf, hasher)
+            n = read_file(os.path.join(root, entry.path), buf, hasher, buffered)
         except OSError as exc:
             tally.error(f"{entry.path}: {exc}")
             continue
@@ -118,20 +121,21 @@ def read_slice(root: Path, entries: list[Entry], verify_every: int) -> Tally:
     return tally
 
 
-def _file_worker(root, entries, verify_every, barrier, results) -> None:
+def _file_worker(root, entries, verify_every, barrier, results, buffered=False) -> None:
     barrier.wait()
-    tally = read_slice(root, entries, verify_every)
+    tally = read_slice(root, entries, verify_every, buffered)
     results.put((time.monotonic(), tally))
 
 
 def read_files(name: str, root: Path, order: list[Entry], readers: int,
-               verify_every: int = 0, timeout: float = 3600.0) -> Result:
-    """Read ``order`` under ``root`` with ``readers`` forked processes; time the whole epoch."""
+               verify_every: int = 0, timeout: float = 3600.0, buffered: bool = False) -> Result:
+    """Read ``order`` under ``root`` with ``readers`` forked processes; time the whole epoch
+    (``buffered``: each file opened as an image loader does, ``read_file``)."""
     ctx = multiprocessing.get_context("fork")
     barrier = ctx.Barrier(readers + 1)
     results = ctx.Queue()
     procs = [ctx.Process(target=_file_worker, daemon=True,
-                         args=(str(root), order[i::readers], verify_every, barrier, results))
+                         args=(str(root), order[i::readers], verify_every, barrier, results, buffered))
              for i in range(readers)]
     for proc in procs:
         proc.start()
