@@ -158,7 +158,7 @@ def _simple(mountpoint: str, command: str, payload: dict, args, render) -> int:
 
 
 def _warm(mountpoint: str, payload: dict, args: argparse.Namespace, walk: dict | None) -> int:
-    bar = ProgressBar() if sys.stderr.isatty() and not (args.quiet or args.json) else None
+    bar = _bar(args)
     last = None
     replies = request(mountpoint, "warmup", **payload)
     try:
@@ -201,7 +201,7 @@ def _warm(mountpoint: str, payload: dict, args: argparse.Namespace, walk: dict |
 def _list_after(mountpoint: str, walk: dict, args: argparse.Namespace) -> None:
     """List what was warmed through the mount (cachefs/warm/walk.py): the kernel keeps the entries of
     an immutable mount, and a first epoch that opens the files by name then sends no LOOKUP."""
-    bar = ProgressBar() if sys.stderr.isatty() and not (args.quiet or args.json) else None
+    bar = _bar(args)
     try:
         listed = list_through(mountpoint, walk["paths"], walk["globs"], walk["files"],
                               bar.listing if bar is not None else None)
@@ -212,6 +212,11 @@ def _list_after(mountpoint: str, walk: dict, args: argparse.Namespace) -> None:
         print(json.dumps(listed.as_event()), flush=True)
     elif not args.quiet:
         print(listing_line(listed))
+
+
+def _bar(args: argparse.Namespace) -> ProgressBar | None:
+    """A progress line on a terminal, unless --quiet or --json."""
+    return ProgressBar() if sys.stderr.isatty() and not (args.quiet or args.json) else None
 
 
 def _exit_code(final: dict) -> int:

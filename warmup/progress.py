@@ -35,7 +35,7 @@ class ProgressBar:
         self.drawn = True
 
     def listing(self, listed) -> None:
-        """The listing through the mount after a warmup (warmup/walk.py)."""
+        """The listing through the mount after a warmup (cachefs/warm/walk.py)."""
         self.stream.write(f"\rwarmup: listing through the mount: {listed.entries} entries, "
                           f"{listed.directories} directories ")
         self.stream.flush()
