@@ -22,8 +22,8 @@ class LoopRequests:
     """What the request loop processes (``--fuse-loop-kind process``) did with the requests they
     read, from their shared table at scrape time: answered there (open, release, ioctl) or sent to
     the daemon (forwarded). Opens answered there are passthrough opens the daemon never sees. And
-    what the daemon's own loop answered from that table (the opens of published backings, and the
-    releases of the loops' handles it read), with or without loop processes."""
+    what the daemon's own loop answered from that table (the opens of published backings, the
+    releases of the loops' handles it read and isatty on them), with or without loop processes."""
 
     _name, _help = "cachefs_fuse_loop_requests", "Requests the FUSE loop processes read, by what became of them"
     _daemon, _daemon_help = ("cachefs_fuse_table_requests",
@@ -46,7 +46,7 @@ class LoopRequests:
             family.add_metric([answer], totals.get(kind, 0))
         daemon = CounterMetricFamily(self._daemon, self._daemon_help, labels=["answer"])
         here = self.source.table.stats(0) if self.source is not None else {}
-        for answer, kind in (("open", "opens"), ("release", "releases")):
+        for answer, kind in (("open", "opens"), ("release", "releases"), ("ioctl", "ioctls")):
             daemon.add_metric([answer], here.get(kind, 0))
         return [family, daemon]
 

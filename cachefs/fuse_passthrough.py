@@ -166,10 +166,18 @@ class Passthrough:
             log.warning("a handed-over cache file (%s) failed its scrub: its backing answers no more opens; the "
                         "object is fetched again", digest[:16])
 
-    def table_opened(self, inode: int) -> None:
-        """The session answered an open of ``inode`` from the loops' table (its published backing,
-        no handle here): counted as the passthrough open it is."""
-        self._passed_through(self.vfs.find_node(inode))
+    def table_opened(self, inodes: list[int]) -> None:
+        """The session answered opens of ``inodes`` from the loops' table (their published
+        backings, no handle here), told in batches: counted as the passthrough opens they are."""
+        find = self.vfs.find_node
+        size = 0
+        for inode in inodes:
+            node = find(inode)
+            if node is not None:
+                size += node.size
+        self.served.passthrough_opens.inc(len(inodes))
+        if size:
+            self.served.read_bytes.inc(size)
 
     def loops_started(self, loops) -> None:
         """The loops' table is kept (cachefs/fuse/loop_procs.py): the opens of every inode with a

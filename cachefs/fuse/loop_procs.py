@@ -251,7 +251,7 @@ class LoopProcesses:
         return {"loops": [{"pid": loop.proc.pid, "running": not loop.gone, "reading": loop.ready and not loop.gone,
                            **self.table.stats(loop.index)}
                           for loop in self.loops],
-                "daemon": {k: n for k, n in self.table.stats(0).items() if k in ("opens", "releases")},    # from the table
+                "daemon": {k: n for k, n in self.table.stats(0).items() if k != "forwarded"},     # from the table
                 "open_files": (opened - released) & 0xFFFFFFFF, "forwarded": self.forwarded,
                 "published": self._next - len(self._free)}
 

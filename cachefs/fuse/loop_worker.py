@@ -16,34 +16,22 @@ import errno
 import os
 import signal
 import socket
-import struct
 import sys
 import time
 
 from cachefs.fuse import abi
-from cachefs.fuse.looptable import LOOP_FH, OPEN_REFUSED, READY, LoopTable
+from cachefs.fuse.looptable import READY, LoopTable
 
 _PR_SET_PDEATHSIG = 1
-_OPEN_ANSWER = abi.OUT_HEADER.size + abi.OPEN_OUT.size
-_HEAD = struct.Struct("<IIQQ")           # len, opcode, unique, nodeid: what a loop reads of a request
-_OPEN_FLAGS = struct.Struct("<I")
-_FH = struct.Struct("<Q")
 
 
 def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int:
     buf = bytearray(abi.BUFFER_SIZE)
     view = memoryview(buf)
     seq, row = table.seq, loop * 8
-    inode, opened, released = table.inode, table.opened[loop], table.released[loop]
-    inodes, nonce = table.inodes, table.nonce & 0xFFFF
-    mine = LOOP_FH | nonce << 32
-    head, open_flags, fh_at = _HEAD.unpack_from, _OPEN_FLAGS.unpack_from, _FH.unpack_from
-    pack_out, pack_open = abi.OUT_HEADER.pack, abi.OPEN_OUT.pack
-    passthrough = abi.FOPEN_PASSTHROUGH
-    body = abi.IN_HEADER.size
-    readv, writev, send = os.readv, os.writev, sock.send
-    OPEN, RELEASE, IOCTL = abi.OPEN, abi.RELEASE, abi.IOCTL
-    opens = releases = ioctls = forwarded = 0
+    answer = table.answerer(fuse_fd, loop)
+    readv, send = os.readv, sock.send
+    forwarded = 0
     while True:
         try:
             length = readv(fuse_fd, [view])
@@ -57,47 +45,22 @@ def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int
             print(f"cachefs loop {loop}: reading requests: {exc}", file=sys.stderr)
             return 3
         seq[row] += 1                 # odd: answering
-        _len, opcode, unique, nodeid = head(view)
-        answered = False
         try:
-            if opcode == OPEN:
-                entry = inode[nodeid] if nodeid < inodes else 0
-                if entry and not open_flags(view, body)[0] & OPEN_REFUSED:
-                    slot = (entry >> 32) - 1
-                    opened[slot] = (opened[slot] + 1) & 0xFFFFFFFF      # counted before the kernel can release
-                    writev(fuse_fd, [pack_out(_OPEN_ANSWER, 0, unique),
-                                     pack_open(mine | slot, passthrough, entry & 0xFFFFFFFF)])
-                    opens += 1
-                    answered = True
-            elif opcode == RELEASE:
-                fh = fh_at(view, body)[0]
-                if fh & LOOP_FH:
-                    if (fh >> 32) & 0xFFFF == nonce and (fh & 0xFFFFFFFF) < len(released):
-                        slot = fh & 0xFFFFFFFF
-                        released[slot] = (released[slot] + 1) & 0xFFFFFFFF
-                    writev(fuse_fd, [pack_out(abi.OUT_HEADER.size, 0, unique)])
-                    releases += 1
-                    answered = True
-            elif opcode == IOCTL and fh_at(view, body)[0] & LOOP_FH:
-                writev(fuse_fd, [pack_out(abi.OUT_HEADER.size, -errno.ENOTTY, unique)])
-                ioctls += 1
-                answered = True
-            if not answered:
+            if not answer(view):
                 send(view[:length])
                 forwarded += 1
+                seq[row + 4] = forwarded
         except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENODEV, errno.ECONNABORTED):
-                pass                  # interrupted or aborted meanwhile: nobody waits for the answer
-            elif not answered and exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+            if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
                 return 1              # the daemon is gone: the next one has the kernel send it again
-            elif not answered and exc.errno == errno.EMSGSIZE:      # larger than the socket takes
+            if exc.errno == errno.EMSGSIZE:      # larger than the socket takes
+                unique = abi.IN_HEADER.unpack_from(view)[2]
                 try:
-                    writev(fuse_fd, [pack_out(abi.OUT_HEADER.size, -errno.EIO, unique)])
+                    os.writev(fuse_fd, [abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -errno.EIO, unique)])
                 except OSError:
                     pass
             else:
                 print(f"cachefs loop {loop}: {exc}", file=sys.stderr)
-        seq[row + 1], seq[row + 2], seq[row + 3], seq[row + 4] = opens, releases, ioctls, forwarded
         seq[row] += 1                 # even: between requests
 
 

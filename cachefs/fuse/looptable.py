@@ -20,17 +20,22 @@ Handles a loop gives out carry ``LOOP_FH``, the daemon's nonce and the slot, so 
 daemon) can count their RELEASE, and a handle of an earlier daemon of the mount (another nonce)
 is answered without being counted.
 
-The daemon's own request loop answers from the table too (``open_here``, row 0), the way a loop
-process does: an open of a published inode costs it a table read and an answer, not the layers
-of an open (the operations, the namespace, a handle). So the table exists wherever the loops
-could run, with or without loop processes (``loops`` 0).
+The daemon's own request loop answers from the table too (row 0), with the same code as a loop
+process (``answerer``): an open of a published inode costs it a table read and an answer, not
+the layers of an open (a request object, the operations, the namespace, a handle). So the table
+exists wherever the loops could run, with or without loop processes (``loops`` 0).
 
-Only this module's constants and the ``LoopTable`` view are shared with the loop processes; they
-import nothing else of cachefs.
+Only this module (with ``abi``'s constants) is shared with the loop processes; they import
+nothing else of cachefs.
 """
 
+import errno
 import mmap
 import os
+import struct
+from collections.abc import Callable
+
+from cachefs.fuse import abi
 
 MAGIC = 0x63_66_73_6C_6F_6F_70_31        # "cfsloop1"
 LOOP_FH = 1 << 63                         # the bit of a handle a loop process gave out
@@ -39,6 +44,12 @@ SEQ_STRIDE = 64                           # one cache line per loop: seq, then i
 STATS = ("opens", "releases", "ioctls", "forwarded")     # row 0: what the daemon answered from the table
 OPEN_REFUSED = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT      # opens a table never answers
 READY = b"ready"                          # a loop's first message on its socket: it reads requests now
+
+_HEAD = struct.Struct("<IIQQ")            # len, opcode, unique, nodeid: what the answerer reads of a request
+_OPEN_FLAGS = struct.Struct("<I")
+_FH = struct.Struct("<Q")
+_OPEN_ANSWER = abi.OUT_HEADER.size + abi.OPEN_OUT.size
+_GONE = (errno.ENOENT, errno.ENODEV, errno.ECONNABORTED)    # an answer nobody waits for any more
 
 
 class LoopTable:
@@ -149,6 +160,64 @@ class LoopTable:
             if slot < self.slots:
                 self.released[0][slot] = (self.released[0][slot] + 1) & 0xFFFFFFFF
         self.seq[2] += 1
+
+    def answerer(self, fuse_fd: int, row: int, opened_inode: Callable[[int], None] | None = None
+                 ) -> Callable[[memoryview], int]:
+        """What answers, on ``fuse_fd``, the requests this table can answer alone, counting them in
+        ``row`` (a loop's; 0: the daemon's): the OPEN of a published inode (read-only), the RELEASE
+        of a handle a loop gave out, an ioctl on one (ENOTTY: CPython's ``open`` asks ``isatty``).
+        It takes a request as read and returns its opcode if answered, else 0 (the caller's to
+        answer). ``opened_inode`` is told each inode opened. An answer the kernel no longer waits
+        for (interrupted, unmounted) counts as given; other write errors are raised."""
+        inode, opened, released, seq = self.inode, self.opened[row], self.released[row], self.seq
+        inodes, nonce, slots, stat = self.inodes, self.nonce & 0xFFFF, self.slots, row * 8
+        mine = LOOP_FH | nonce << 32
+        head, open_flags, fh_at = _HEAD.unpack_from, _OPEN_FLAGS.unpack_from, _FH.unpack_from
+        pack_out, pack_open = abi.OUT_HEADER.pack, abi.OPEN_OUT.pack
+        OPEN, RELEASE, IOCTL, PASSTHROUGH = abi.OPEN, abi.RELEASE, abi.IOCTL, abi.FOPEN_PASSTHROUGH
+        body, empty, writev = abi.IN_HEADER.size, abi.OUT_HEADER.size, os.writev
+
+        def answer(view: memoryview) -> int:
+            _len, opcode, unique, nodeid = head(view)
+            if opcode == OPEN:
+                entry = inode[nodeid] if nodeid < inodes else 0
+                if not entry or open_flags(view, body)[0] & OPEN_REFUSED:
+                    return 0
+                slot = (entry >> 32) - 1
+                opened[slot] = (opened[slot] + 1) & 0xFFFFFFFF        # counted before the kernel can release
+                try:
+                    writev(fuse_fd, [pack_out(_OPEN_ANSWER, 0, unique),
+                                     pack_open(mine | slot, PASSTHROUGH, entry & 0xFFFFFFFF)])
+                except OSError as exc:
+                    opened[slot] = (opened[slot] - 1) & 0xFFFFFFFF    # not opened: no RELEASE will come
+                    if exc.errno not in _GONE:
+                        raise
+                    return opcode
+                seq[stat + 1] += 1
+                if opened_inode is not None:
+                    opened_inode(nodeid)
+                return opcode
+            if opcode == RELEASE:
+                fh = fh_at(view, body)[0]
+                if not fh & LOOP_FH:
+                    return 0
+                if (fh >> 32) & 0xFFFF == nonce and (fh & 0xFFFFFFFF) < slots:   # (else an earlier daemon's)
+                    released[fh & 0xFFFFFFFF] = (released[fh & 0xFFFFFFFF] + 1) & 0xFFFFFFFF
+                seq[stat + 2] += 1
+                error = 0
+            elif opcode == IOCTL and fh_at(view, body)[0] & LOOP_FH:
+                seq[stat + 3] += 1
+                error = -errno.ENOTTY
+            else:
+                return 0
+            try:
+                writev(fuse_fd, [pack_out(empty, error, unique)])
+            except OSError as exc:
+                if exc.errno not in _GONE:
+                    raise
+            return opcode
+
+        return answer
 
     def stats(self, loop: int) -> dict[str, int]:
         return {name: self.seq[loop * 8 + 1 + i] for i, name in enumerate(STATS)}

@@ -168,7 +168,7 @@ class Opcodes:
             answer = self.procs.open_here(req.nodeid, flags)
             if answer is not None:
                 self.reply(req, answer)
-                self.ops.table_opened(req.nodeid)
+                self.ops.table_opened([req.nodeid])
                 return
         ops = self.ops
         now = getattr(ops, "now_open", None)

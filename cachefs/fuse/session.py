@@ -158,6 +158,8 @@ class Session(Opcodes):
         self.inflight: InflightLog | None = None     # kept while the kernel cannot resend
         self.cloned = cloned if cloned is not None else Port("cloned")   # each new clone (the keeper holds it too)
         self.procs: LoopProcesses | None = None      # request loops as processes (loop_procs.py)
+        self._quick: Callable[[memoryview], int] | None = None     # answers from the loops' table (row 0)
+        self._opened_here: list[int] = []           # inodes it opened, not yet told to the operations
 
     def adopt(self, fds: list[int], negotiated: dict, mountpoint: str) -> None:
         """Serve the connection of ``fds`` (the session's descriptor, then clones for the request
@@ -231,6 +233,8 @@ class Session(Opcodes):
                         while self._in_hand:
                             await trio.sleep(0.005)
             finally:
+                if self._opened_here:
+                    self._tell_opened()
                 nursery.cancel_scope.cancel()
                 self._nursery = None
 
@@ -339,6 +343,7 @@ class Session(Opcodes):
             procs.close()
             return False
         self.procs = procs
+        self._quick = procs.table.answerer(self.fd, 0, self._opened_here.append)
         self._keep_given()
         started = getattr(self.ops, "loops_started", None)
         if started is not None:
@@ -400,6 +405,8 @@ class Session(Opcodes):
                 length = os.readv(self.fd, [into])
             except BlockingIOError:
                 burst = 0
+                if self._opened_here:
+                    self._tell_opened()
                 if idle is not None and idle():        # work for a quiet moment (Operations.idle)
                     await trio.lowlevel.checkpoint()
                     continue
@@ -420,13 +427,38 @@ class Session(Opcodes):
                     continue
                 raise
             self.requests += 1
-            self._dispatch(into[:length], self.fd, slot)
+            quick = self._quick
+            if quick is None or slot >= 0 or not self._answered(quick, into):
+                self._dispatch(into[:length], self.fd, slot)
             if self.inflight is not None:      # the next slot (or the buffer when none is free)
                 slot, into = self._slot(0, buf)
             burst += 1
             if burst >= _BURST:
                 burst = 0
+                if self._opened_here:
+                    self._tell_opened()
                 await trio.lowlevel.checkpoint()
+
+    def _answered(self, quick: Callable[[memoryview], int], request: memoryview) -> bool:
+        """Whether the loops' table answered ``request`` (``LoopTable.answerer``: an open of a
+        published backing, a release or an ioctl of a handle from the table), as a loop process
+        would: no request object, no operation."""
+        try:
+            opcode = quick(request)
+        except OSError as exc:
+            log.error("cannot answer a FUSE request: %s", exc)
+            return True
+        except (struct.error, IndexError):
+            return False                        # malformed: _dispatch says so
+        if opcode:
+            self.opcodes[opcode] = self.opcodes.get(opcode, 0) + 1
+        return bool(opcode)
+
+    def _tell_opened(self) -> None:
+        """The operations count the opens answered from the table (passthrough opens, bytes served)."""
+        inodes = self._opened_here.copy()
+        self._opened_here.clear()               # (the answerer holds this list's append)
+        self.ops.table_opened(inodes)
 
     def terminate(self) -> None:
         """End ``serve`` (the filesystem stays mounted until unmounted)."""
@@ -439,6 +471,8 @@ class Session(Opcodes):
 
     # ---- dispatch ------------------------------------------------------------------------------
     def _dispatch(self, data: memoryview, fd: int, slot: int = -1, replayed: bool = False) -> None:
+        if self._opened_here:                   # counted before anything that could report them
+            self._tell_opened()
         try:
             req = Request(data, fd, slot, replayed)
         except struct.error:
