@@ -12,12 +12,14 @@ no READ request to the daemon, once the daemon hands it over at OPEN. The promis
   reads each exact file back as it writes it and *seals* it (disk/seals.py: its inode, ctime and
   size in this boot), and a file verified here is sealed too: this daemon and later ones hand a
   sealed file over unread while the seal matches (a later one queues it for the scrub);
-- a background scrub (``scrub``) re-verifies handed-over files at a bounded rate; a corrupt one is
-  dropped and named on the ``corrupted`` port (the FUSE layer stops handing its backing out);
+- a background scrub (``scrub``) re-verifies handed-over files at a bounded rate, small files a
+  batch per worker-thread call; a corrupt one is dropped and named on the ``corrupted`` port (the
+  FUSE layer stops handing its backing out);
 - a handed-over block is held: eviction skips it until the kernel's last user releases it, so
   the capacity rule counts what the kernel still reads.
 """
 
+import itertools
 import logging
 import os
 import time
@@ -37,6 +39,7 @@ from cachefs.tiers.metrics import TierMetrics
 log = logging.getLogger(__name__)
 
 SCRUB_AGE = float(os.environ.get("CACHEFS_TEST_SCRUB_AGE", 600.0))   # seconds before the scrub verifies a file again
+GONE, SKIP, LARGE = "gone", "skip", "large"    # what the scrub's batch found, besides right (None) and corrupt
 
 
 @dataclass(slots=True)
@@ -60,6 +63,8 @@ class HandOver:
         self._limiter = trio.CapacityLimiter(16)
         self.seals = disk.seals if disk is not None else None       # kept by the disk tier (seals.py)
         self._sealed_files = self.metrics.scrub_files.labels("sealed")     # once: labels() is not free
+        self._scrubbed_ok = self.metrics.scrub_files.labels("ok")
+        self._scrub_buf: bytearray | None = None   # the scrub's batches read into it (VERIFY_STEP bytes)
 
     @property
     def enabled(self) -> bool:
@@ -159,13 +164,84 @@ class HandOver:
         """Re-verify handed-over files forever, each at most once every SCRUB_AGE seconds, at most
         ``scrub_bytes_s`` bytes a second (paced as it reads); a corrupt one is counted and dropped
         from the disk tier (open files keep reading the bytes they had; new opens fetch it
-        again)."""
+        again). Small files are checked many to a worker-thread call (``_check_small``): a file at
+        a time cost ~0.8 ms of the daemon's CPU per 110 KiB file in thread hand-offs and timers,
+        12% of a core at 16 MB/s; a large one step by step (``_scrub_one``)."""
         task_status.started()
         while True:
             await trio.sleep(1.0)
-            for digest, when in list(self._verified.items()):
-                if digest in self._verified and when <= time.monotonic() - SCRUB_AGE:
-                    await self._scrub_one(digest)
+            due = time.monotonic() - SCRUB_AGE
+            todo = [digest for digest, when in self._verified.items() if when <= due]
+            at = 0
+            while at < len(todo):
+                results, spent = await in_thread(self._check_small, todo, at, self._buffer(), limiter=self._limiter)
+                at += len(results)
+                large = self._scrubbed(results)
+                if large is not None:
+                    await self._scrub_one(large)
+                if spent:
+                    await trio.sleep(spent / self.scrub_bytes_s)
+
+    def _scrubbed(self, results: list) -> str | None:
+        """What a batch of ``_check_small`` found, taken in: right files verified now, corrupt ones
+        dropped. The file too large for a batch that ended it, if any (checked step by step)."""
+        now, ok, large = time.monotonic(), 0, None
+        for digest, outcome in results:
+            if digest not in self._verified:            # evicted (or found corrupt) meanwhile
+                continue
+            if outcome is None:
+                self._verified[digest] = now
+                ok += 1
+            elif outcome is GONE:
+                self._verified.pop(digest, None)
+            elif outcome is LARGE:
+                large = digest
+            elif isinstance(outcome, Exception):
+                self._corrupt(digest, outcome)
+        if ok:
+            self._scrubbed_ok.inc(ok)
+        return large
+
+    def _check_small(self, digests: list[str], start: int, buf: bytearray) -> tuple[list, int]:
+        """(In a worker thread) check whole exact files of ``digests`` from ``start`` on, in turn,
+        until ``len(buf)`` bytes are read: each ``(digest, outcome)``, outcome None (right), GONE
+        (no such file), SKIP (not an exact file), LARGE (larger than ``buf``: ends the batch) or
+        the error (corrupt); and the bytes read. Reads only files, never the scrub's state."""
+        results, spent = [], 0
+        block_file = self.disk.layout.block_file
+        for digest in itertools.islice(digests, start, None):
+            if spent >= len(buf):
+                break
+            try:
+                fd = os.open(block_file(digest), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                results.append((digest, GONE))
+                continue
+            try:
+                header = fmt.exact_header(fd)
+                if header is None:
+                    results.append((digest, SKIP))
+                elif header.data_len > len(buf):
+                    results.append((digest, LARGE))
+                    break
+                else:
+                    size = os.fstat(fd).st_size
+                    if size != header.data_len:
+                        raise CorruptBlock(f"file has {size} bytes, header says {header.data_len}")
+                    with memoryview(buf) as view:
+                        fmt.verify_range(fd, header, 0, view[:size])
+                    spent += size
+                    results.append((digest, None))
+            except (CorruptBlock, OSError) as exc:
+                results.append((digest, exc))
+            finally:
+                os.close(fd)
+        return results, spent
+
+    def _buffer(self) -> bytearray:
+        if self._scrub_buf is None:
+            self._scrub_buf = bytearray(fmt.VERIFY_STEP)
+        return self._scrub_buf
 
     async def _scrub_one(self, digest: str) -> None:
         path = self.disk.layout.block_file(digest)

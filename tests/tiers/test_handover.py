@@ -26,15 +26,21 @@ def key(path: str, index: int = 0) -> BlockKey:
     return BlockKey("s3://b", path, "v1", BS, index)
 
 
-def test_the_scrub_goes_round_every_handed_over_file_and_drops_a_corrupt_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(handover_module, "SCRUB_AGE", 0.0)
+def scrubbing(tmp_path, rate: int) -> tuple[Metrics, DiskTier, HandOver, list[str]]:
+    """A disk tier with no seals (every file verified at its hand-over) and a hand-over scrubbing
+    at ``rate`` bytes a second; the digests it names corrupt are appended to the list."""
     metrics = Metrics()
     disk = DiskTier(tmp_path, capacity=64 << 20, free_space_ratio=0.0, metrics=metrics, fsync=False,
-                    chunk_size=4096, exact_files=True, seals=False)      # every file verified at its hand-over
+                    chunk_size=4096, exact_files=True, seals=False)
     named = []
     corrupted = Port("corrupted")
     corrupted.connect(named.append)
-    hand = HandOver(disk, metrics, scrub_bytes_s=64 << 20, corrupted=corrupted)
+    return metrics, disk, HandOver(disk, metrics, scrub_bytes_s=rate, corrupted=corrupted), named
+
+
+def test_the_scrub_goes_round_every_handed_over_file_and_drops_a_corrupt_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(handover_module, "SCRUB_AGE", 0.0)
+    metrics, disk, hand, named = scrubbing(tmp_path, 64 << 20)
     small = {f"s{i}": random.Random(i).randbytes(1000 + 37 * i) for i in range(6)}
     big = [random.Random(99 + i).randbytes(BS) for i in range(3)]
     whole = key("big", WHOLE)
@@ -74,6 +80,59 @@ def test_the_scrub_goes_round_every_handed_over_file_and_drops_a_corrupt_one(tmp
             assert not disk.contains(key("s5")) and disk.contains(whole) and disk.contains(key("s0"))
             assert named == [key("s5").digest()]          # the FUSE layer is told (its backing goes)
             nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_the_scrub_checks_small_files_many_to_a_thread_call_at_its_rate(tmp_path, monkeypatch):
+    """Small files are checked a batch of up to VERIFY_STEP bytes per worker-thread call (a call
+    per file cost more CPU than the checking); a file larger than that ends its batch and is
+    checked step by step; a corrupt small file is dropped and named, an evicted one forgotten;
+    the pass as a whole keeps to the scrub's rate."""
+    monkeypatch.setattr(handover_module, "SCRUB_AGE", 0.0)
+    monkeypatch.setattr(fmt, "VERIFY_STEP", 16 << 10)
+    calls = []
+    check = HandOver._check_small
+    monkeypatch.setattr(HandOver, "_check_small", lambda self, *a: calls.append(a[1]) or check(self, *a))
+    rate = 256 << 10
+    metrics, disk, hand, named = scrubbing(tmp_path, rate)
+    small = {f"s{i:02d}": random.Random(i).randbytes(1000 + 7 * i) for i in range(40)}
+    big = [random.Random(99 + i).randbytes(BS) for i in range(3)]
+    whole = key("big", WHOLE)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(disk.run)
+            for name, data in list(small.items())[:20]:
+                assert await disk.fill(key(name), data)
+            for i, data in enumerate(big):
+                assert await disk.fill(key("big", i), data)
+            assert await disk.assemble(whole, [key("big", i) for i in range(3)], 3 * BS)
+            for name, data in list(small.items())[20:]:
+                assert await disk.fill(key(name), data)
+            for k, size in [(key(name), len(data)) for name, data in small.items()] + [(whole, 3 * BS)]:
+                exact = await hand.get(k, size)
+                assert exact is not None
+                os.close(exact.fd)
+                hand.release(exact)
+            before = metrics.counter_value("cachefs_scrub_files_total", result="ok")
+            victim = disk.layout.block_path(key("s07").digest())
+            data = bytearray(victim.read_bytes())
+            data[100] ^= 1
+            victim.write_bytes(data)
+            os.unlink(disk.layout.block_path(key("s30").digest()))      # gone under the scrub
+            began = trio.current_time()
+            await nursery.start(hand.scrub)
+            want = before + len(small) - 2 + 1
+            with trio.fail_after(30):
+                while metrics.counter_value("cachefs_scrub_files_total", result="ok") < want:
+                    await trio.sleep(0.02)
+            took = trio.current_time() - began - 1.0        # (the scrub's first second of rest)
+            nursery.cancel_scope.cancel()
+        checked = sum(len(d) for d in small.values()) - len(small["s30"]) + 3 * BS
+        assert took >= 0.8 * checked / rate, took
+        assert named == [key("s07").digest()] and not disk.contains(key("s07"))
+        assert key("s30").digest() not in hand._verified and disk.contains(whole)
+        assert len(calls) <= 5 < len(small), calls        # 39 small files of ~1.1 KiB, 16 KiB a call
     trio.run(main)
 
 
