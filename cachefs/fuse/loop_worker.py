@@ -31,7 +31,6 @@ def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int
     seq, row = table.seq, loop * 8
     answer = table.answerer(fuse_fd, loop)
     readv, send = os.readv, sock.send
-    forwarded = 0
     while True:
         try:
             length = readv(fuse_fd, [view])
@@ -46,10 +45,10 @@ def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int
             return 3
         seq[row] += 1                 # odd: answering
         try:
-            if not answer(view):
-                send(view[:length])
-                forwarded += 1
-                seq[row + 4] = forwarded
+            request = view[:length]
+            if not answer(request):
+                send(request)
+                seq[row + 4] += 1     # forwarded (the answerer counts the rest)
         except OSError as exc:
             if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
                 return 1              # the daemon is gone: the next one has the kernel send it again

@@ -178,6 +178,12 @@ class LoopTable:
         body, empty, writev = abi.IN_HEADER.size, abi.OUT_HEADER.size, os.writev
 
         def answer(view: memoryview) -> int:
+            try:
+                return _answer(view)
+            except struct.error:           # shorter than its opcode's request: the caller's to refuse
+                return 0
+
+        def _answer(view: memoryview) -> int:
             _len, opcode, unique, nodeid = head(view)
             if opcode == OPEN:
                 entry = inode[nodeid] if nodeid < inodes else 0

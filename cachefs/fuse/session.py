@@ -428,8 +428,9 @@ class Session(Opcodes):
                 raise
             self.requests += 1
             quick = self._quick
-            if quick is None or slot >= 0 or not self._answered(quick, into):
-                self._dispatch(into[:length], self.fd, slot)
+            request = into[:length]
+            if quick is None or slot >= 0 or not self._answered(quick, request):
+                self._dispatch(request, self.fd, slot)
             if self.inflight is not None:      # the next slot (or the buffer when none is free)
                 slot, into = self._slot(0, buf)
             burst += 1
@@ -448,8 +449,6 @@ class Session(Opcodes):
         except OSError as exc:
             log.error("cannot answer a FUSE request: %s", exc)
             return True
-        except (struct.error, IndexError):
-            return False                        # malformed: _dispatch says so
         if opcode:
             self.opcodes[opcode] = self.opcodes.get(opcode, 0) + 1
         return bool(opcode)

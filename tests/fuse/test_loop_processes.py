@@ -450,7 +450,7 @@ def test_the_table_answers_what_it_can_alone_and_counts_it_in_its_row(row, monke
     from the table with: the read-only open of a published inode (its handle names the nonce and
     the slot; counted open, the inode told), the release of such a handle (counted released; one
     of an earlier daemon, another nonce, answered uncounted), isatty on one (ENOTTY); anything
-    else is left to the caller (0), with nothing written. An open whose answer the kernel no
+    else, or a request cut short, is left to the caller (0), with nothing written. An open whose answer the kernel no
     longer waits for is not counted open (no RELEASE will come); a write error is raised."""
     loops = LoopProcesses(lambda data, fd: None, lambda: None, count=1, nonce=7, slots=8)
     read_end, write_end = os.pipe()
@@ -472,7 +472,9 @@ def test_the_table_answers_what_it_can_alone_and_counts_it_in_its_row(row, monke
                            request(abi.OPEN, 4, 1 << 40, flags),                    # past the table
                            request(abi.RELEASE, 5, 10, abi.RELEASE_IN.pack(42, 0, 0, 0)),   # the daemon's handle
                            request(abi.IOCTL, 6, 10, abi.IOCTL_IN.pack(42, 0, 0x5401, 0, 0, 60)),
-                           request(abi.GETATTR, 7, 10, bytes(16))):
+                           request(abi.GETATTR, 7, 10, bytes(16)),
+                           request(abi.OPEN, 13, 10, b""),                           # cut short
+                           request(abi.RELEASE, 14, 10, b"")[:30]):
             assert answer(unanswered) == 0
         assert answers(read_end) == [] and told == [10] and table.stats(row)["opens"] == 1
 
