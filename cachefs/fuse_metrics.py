@@ -27,7 +27,8 @@ class LoopRequests:
 
     _name, _help = "cachefs_fuse_loop_requests", "Requests the FUSE loop processes read, by what became of them"
     _daemon, _daemon_help = ("cachefs_fuse_table_requests",
-                             "Requests the daemon's own FUSE loop answered from the loops' table (no operation run)")
+                             "Requests the daemon's own FUSE loop answered from the loops' table (no operation run): "
+                             "open, release, ioctl (CPython's isatty)")
     _labelnames = ("answer",)         # (both families: metrics_table)
 
     def __init__(self, registry: CollectorRegistry) -> None:
