@@ -64,7 +64,6 @@ class HandOver:
         self.seals = disk.seals if disk is not None else None       # kept by the disk tier (seals.py)
         self._sealed_files = self.metrics.scrub_files.labels("sealed")     # once: labels() is not free
         self._scrubbed_ok = self.metrics.scrub_files.labels("ok")
-        self._scrub_buf: bytearray | None = None   # the scrub's batches read into it (VERIFY_STEP bytes)
 
     @property
     def enabled(self) -> bool:
@@ -168,13 +167,16 @@ class HandOver:
         a time cost ~0.8 ms of the daemon's CPU per 110 KiB file in thread hand-offs and timers,
         12% of a core at 16 MB/s; a large one step by step (``_scrub_one``)."""
         task_status.started()
+        buf = b""                       # the batches' reads (VERIFY_STEP bytes, made at the first)
         while True:
             await trio.sleep(1.0)
             due = time.monotonic() - SCRUB_AGE
             todo = [digest for digest, when in self._verified.items() if when <= due]
+            if todo and not buf:
+                buf = bytearray(fmt.VERIFY_STEP)
             at = 0
             while at < len(todo):
-                results, spent = await in_thread(self._check_small, todo, at, self._buffer(), limiter=self._limiter)
+                results, spent = await in_thread(self._check_small, todo, at, buf, limiter=self._limiter)
                 at += len(results)
                 large = self._scrubbed(results)
                 if large is not None:
@@ -237,11 +239,6 @@ class HandOver:
             finally:
                 os.close(fd)
         return results, spent
-
-    def _buffer(self) -> bytearray:
-        if self._scrub_buf is None:
-            self._scrub_buf = bytearray(fmt.VERIFY_STEP)
-        return self._scrub_buf
 
     async def _scrub_one(self, digest: str) -> None:
         path = self.disk.layout.block_file(digest)
