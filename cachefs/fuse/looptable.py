@@ -153,13 +153,14 @@ class LoopTable:
                 return False
         return True
 
-    def released_here(self, fh: int) -> None:
-        """The daemon read the RELEASE of a loop's handle ``fh`` (its own row, 0)."""
+    def released_here(self, fh: int, row: int = 0) -> None:
+        """The RELEASE of a loop's handle ``fh`` was read (by the daemon: row 0, or by loop ``row``):
+        counted on its slot, unless an earlier daemon gave it out (another nonce)."""
         if (fh >> 32) & 0xFFFF == self.nonce & 0xFFFF:
             slot = fh & 0xFFFFFFFF
             if slot < self.slots:
-                self.released[0][slot] = (self.released[0][slot] + 1) & 0xFFFFFFFF
-        self.seq[2] += 1
+                self.released[row][slot] = (self.released[row][slot] + 1) & 0xFFFFFFFF
+        self.seq[row * 8 + 2] += 1
 
     def answerer(self, fuse_fd: int, row: int, opened_inode: Callable[[int], None] | None = None
                  ) -> Callable[[memoryview], int]:
@@ -169,8 +170,8 @@ class LoopTable:
         It takes a request as read and returns its opcode if answered, else 0 (the caller's to
         answer). ``opened_inode`` is told each inode opened. An answer the kernel no longer waits
         for (interrupted, unmounted) counts as given; other write errors are raised."""
-        inode, opened, released, seq = self.inode, self.opened[row], self.released[row], self.seq
-        inodes, nonce, slots, stat = self.inodes, self.nonce & 0xFFFF, self.slots, row * 8
+        inode, opened, seq, released_here = self.inode, self.opened[row], self.seq, self.released_here
+        inodes, nonce, stat = self.inodes, self.nonce & 0xFFFF, row * 8
         mine = LOOP_FH | nonce << 32
         head, open_flags, fh_at = _HEAD.unpack_from, _OPEN_FLAGS.unpack_from, _FH.unpack_from
         pack_out, pack_open = abi.OUT_HEADER.pack, abi.OPEN_OUT.pack
@@ -207,9 +208,7 @@ class LoopTable:
                 fh = fh_at(view, body)[0]
                 if not fh & LOOP_FH:
                     return 0
-                if (fh >> 32) & 0xFFFF == nonce and (fh & 0xFFFFFFFF) < slots:   # (else an earlier daemon's)
-                    released[fh & 0xFFFFFFFF] = (released[fh & 0xFFFFFFFF] + 1) & 0xFFFFFFFF
-                seq[stat + 2] += 1
+                released_here(fh, row)
                 error = 0
             elif opcode == IOCTL and fh_at(view, body)[0] & LOOP_FH:
                 seq[stat + 3] += 1
