@@ -315,7 +315,8 @@ async def _serve(daemon: Daemon, on_ready: Callable[[], None]) -> None:
         try:
             if cfg.metrics_port:
                 try:
-                    daemon.exporter = Exporter(daemon.metrics, cfg.metrics_host, cfg.metrics_port)
+                    daemon.exporter = Exporter(daemon.metrics, cfg.metrics_host, cfg.metrics_port,
+                                               before=daemon.fuse.settled)
                 except OSError as exc:
                     raise ConfigError(f"metrics: {exc}") from None
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:

@@ -11,6 +11,7 @@ import bisect
 import logging
 import math
 import threading
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Gauge, Info, disable_created_metrics, make_wsgi_app
@@ -110,11 +111,15 @@ class OperationTimes:
 
 
 class Exporter:
-    """Serves /metrics on a loopback address from a daemon thread."""
+    """Serves /metrics on a loopback address from a daemon thread; ``before`` runs (in that
+    thread) before each scrape: what the daemon counts in batches is counted first."""
 
-    def __init__(self, metrics: Metrics, host: str, port: int, tries: int = 10) -> None:
+    def __init__(self, metrics: Metrics, host: str, port: int, tries: int = 10,
+                 before: Callable[[], None] | None = None) -> None:
         self._server: WSGIServer | None = None
         app = make_wsgi_app(metrics.registry)
+        if before is not None:
+            app = _first(before, app)
         last: OSError | None = None
         for candidate in range(port, port + tries):
             try:
@@ -134,6 +139,13 @@ class Exporter:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _first(before: Callable[[], None], app):
+    def scrape(environ, start_response):
+        before()
+        return app(environ, start_response)
+    return scrape
 
 
 def metrics_table(registry: CollectorRegistry) -> str:

@@ -41,6 +41,10 @@ class CachefsBackend:
     def stop_reading(self) -> None:
         self.session.stop_reading()
 
+    def settled(self) -> None:
+        """Before a metrics scrape (its thread): what the session answered is counted."""
+        self.session.settled()
+
     def terminate(self) -> None:
         self.session.terminate()
 

@@ -21,7 +21,7 @@ Loops run only where what they answer cannot change: an ``--immutable`` mount wi
 and a kernel that can send requests again (Linux 6.9+). Elsewhere the session keeps thread loops.
 The table is made wherever they could run, with no process too (``count`` 0, a mount with no
 extra loops): the daemon's own loop then answers the opens of published backings from it the
-same lean way (``open_here``).
+same lean way (``LoopTable.answerer``).
 """
 
 import errno
@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from cachefs.fuse import abi
 from cachefs.fuse.looptable import READY, LoopTable
 
 log = logging.getLogger("cachefs.fuse.session")
@@ -224,16 +223,6 @@ class LoopProcesses:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
-
-    def released(self, fh: int) -> None:
-        """The session read the RELEASE of a loop's handle."""
-        self.table.released_here(fh)
-
-    def open_here(self, inode: int, flags: int) -> bytes | None:
-        """The daemon's answer to an OPEN of ``inode`` from the table (``OPEN_OUT``), or None: the
-        open goes the usual way."""
-        found = self.table.open_here(inode, flags)
-        return None if found is None else abi.OPEN_OUT.pack(found[0], abi.FOPEN_PASSTHROUGH, found[1])
 
     def totals(self) -> dict[str, int]:
         """What every loop answered and forwarded, summed (the metrics)."""

@@ -29,7 +29,7 @@ def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int
     buf = bytearray(abi.BUFFER_SIZE)
     view = memoryview(buf)
     seq, row = table.seq, loop * 8
-    answer = table.answerer(fuse_fd, loop)
+    answer = table.answerer(loop)
     readv, send = os.readv, sock.send
     while True:
         try:
@@ -46,7 +46,7 @@ def serve(fuse_fd: int, sock: socket.socket, table: LoopTable, loop: int) -> int
         seq[row] += 1                 # odd: answering
         try:
             request = view[:length]
-            if not answer(request):
+            if not answer(request, fuse_fd):
                 send(request)
                 seq[row + 4] += 1     # forwarded (the answerer counts the rest)
         except OSError as exc:

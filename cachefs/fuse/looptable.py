@@ -116,17 +116,6 @@ class LoopTable:
         if 0 < inode < self.inodes:
             self.inode[inode] = 0
 
-    def open_here(self, inode: int, flags: int) -> tuple[int, int] | None:
-        """The daemon's own loop opens ``inode`` from the table, as a loop process would: the
-        handle and backing id to answer with (the open counted in row 0), or None."""
-        entry = self.inode[inode] if 0 < inode < self.inodes else 0
-        if not entry or flags & OPEN_REFUSED:
-            return None
-        slot = (entry >> 32) - 1
-        self.opened[0][slot] = (self.opened[0][slot] + 1) & 0xFFFFFFFF
-        self.seq[1] += 1
-        return LOOP_FH | (self.nonce & 0xFFFF) << 32 | slot, entry & 0xFFFFFFFF
-
     def open_files(self, slot: int) -> int:
         """Files the loops opened on ``slot`` and the kernel has not released (any loop's count)."""
         opened = sum(row[slot] for row in self.opened)
@@ -162,14 +151,15 @@ class LoopTable:
                 self.released[row][slot] = (self.released[row][slot] + 1) & 0xFFFFFFFF
         self.seq[row * 8 + 2] += 1
 
-    def answerer(self, fuse_fd: int, row: int, opened_inode: Callable[[int], None] | None = None
-                 ) -> Callable[[memoryview], int]:
-        """What answers, on ``fuse_fd``, the requests this table can answer alone, counting them in
-        ``row`` (a loop's; 0: the daemon's): the OPEN of a published inode (read-only), the RELEASE
-        of a handle a loop gave out, an ioctl on one (ENOTTY: CPython's ``open`` asks ``isatty``).
-        It takes a request as read and returns its opcode if answered, else 0 (the caller's to
-        answer). ``opened_inode`` is told each inode opened. An answer the kernel no longer waits
-        for (interrupted, unmounted) counts as given; other write errors are raised."""
+    def answerer(self, row: int, opened_inode: Callable[[int], None] | None = None
+                 ) -> Callable[[memoryview, int], int]:
+        """What answers the requests this table can answer alone, counting them in ``row`` (a
+        loop's; 0: the daemon's): the OPEN of a published inode (read-only), the RELEASE of a
+        handle a loop gave out, an ioctl on one (ENOTTY: CPython's ``open`` asks ``isatty``). It
+        takes a request as read and the descriptor it was read from (the answer goes there), and
+        returns its opcode if answered, else 0 (the caller's to answer). ``opened_inode`` is told
+        each inode opened. An answer the kernel no longer waits for (interrupted, unmounted) counts
+        as given, but an open so refused is not counted open; other write errors are raised."""
         inode, opened, seq, released_here = self.inode, self.opened[row], self.seq, self.released_here
         inodes, nonce, stat = self.inodes, self.nonce & 0xFFFF, row * 8
         mine = LOOP_FH | nonce << 32
@@ -178,13 +168,13 @@ class LoopTable:
         OPEN, RELEASE, IOCTL, PASSTHROUGH = abi.OPEN, abi.RELEASE, abi.IOCTL, abi.FOPEN_PASSTHROUGH
         body, empty, writev = abi.IN_HEADER.size, abi.OUT_HEADER.size, os.writev
 
-        def answer(view: memoryview) -> int:
+        def answer(view: memoryview, fuse_fd: int) -> int:
             try:
-                return _answer(view)
+                return _answer(view, fuse_fd)
             except struct.error:           # shorter than its opcode's request: the caller's to refuse
                 return 0
 
-        def _answer(view: memoryview) -> int:
+        def _answer(view: memoryview, fuse_fd: int) -> int:
             _len, opcode, unique, nodeid = head(view)
             if opcode == OPEN:
                 entry = inode[nodeid] if nodeid < inodes else 0

@@ -163,13 +163,7 @@ class Opcodes:
         if self.negotiated.has(abi.NO_OPEN_SUPPORT):
             self.reply_error(req, errno.ENOSYS)     # the kernel opens every file itself from now on
             return
-        flags, _ = abi.OPEN_IN.unpack_from(req.body)
-        if self.procs is not None:       # a published backing: answered from the loops' table, as a loop would
-            answer = self.procs.open_here(req.nodeid, flags)
-            if answer is not None:
-                self.reply(req, answer)
-                self.ops.table_opened([req.nodeid])
-                return
+        flags, _ = abi.OPEN_IN.unpack_from(req.body)      # (a published backing's: the table answered it)
         ops = self.ops
         now = getattr(ops, "now_open", None)
         self._answer(req, now and (lambda: now(req.nodeid, flags, req.ctx())),
@@ -194,9 +188,7 @@ class Opcodes:
 
     def _release(self, req: Request) -> None:
         fh = abi.RELEASE_IN.unpack_from(req.body)[0]
-        if fh & LOOP_FH:                 # a handle from the loops' table (loop_procs.py): counted, nothing held
-            if self.procs is not None:
-                self.procs.released(fh)
+        if fh & LOOP_FH:                 # a table handle of an earlier daemon (ours: the table answered it)
             self.reply(req)
             return
         ops = self.ops

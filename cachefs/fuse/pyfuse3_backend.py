@@ -204,6 +204,9 @@ class Pyfuse3Backend:
     async def serve(self) -> None:
         await pyfuse3.main(min_tasks=32, max_tasks=256)
 
+    def settled(self) -> None:
+        """Every answer is counted as it is given: nothing to wait for before a scrape."""
+
     def terminate(self) -> None:
         pyfuse3.terminate()
 

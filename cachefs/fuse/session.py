@@ -99,12 +99,12 @@ class Session(Opcodes):
         self._adopted = False
         self._given_clones: list[int] = []
         self._reading: trio.CancelScope | None = None
-        self._waiting: trio.CancelScope | None = None       # the request loop's wait for the descriptor
+        self._waiting: trio.CancelScope | None = None       # the request loop's reading (``_loop``)
         self._in_hand = 0             # requests being answered by tasks
         self.inflight: InflightLog | None = None     # kept while the kernel cannot resend
         self.cloned = cloned if cloned is not None else Port("cloned")   # each new clone (the keeper holds it too)
         self.procs: LoopProcesses | None = None      # request loops as processes (loop_procs.py)
-        self._quick: Callable[[memoryview], int] | None = None     # answers from the loops' table (row 0)
+        self._quick: Callable[[memoryview, int], int] | None = None     # answers from the loops' table (row 0)
         self._opened_here: list[int] = []           # inodes it opened, not yet told to the operations
 
     def adopt(self, fds: list[int], negotiated: dict, mountpoint: str) -> None:
@@ -289,7 +289,7 @@ class Session(Opcodes):
             procs.close()
             return False
         self.procs = procs
-        self._quick = procs.table.answerer(self.fd, 0, self._opened_here.append)
+        self._quick = procs.table.answerer(0, self._opened_here.append)
         self._keep_given()
         started = getattr(self.ops, "loops_started", None)
         if started is not None:
@@ -343,9 +343,22 @@ class Session(Opcodes):
             self._dispatch(data if slot >= 0 else memoryview(data), fd, slot)
 
     async def _loop(self, buf: bytearray) -> None:
+        """Read and answer requests until unmounted or stopped. The wait for the descriptor needs no
+        cancel scope of its own (one per wait cost as much as the answer of an open): the reading
+        runs in one scope that ``_stop_waiting`` cancels, for work of a quiet moment or loops that
+        started reading, and starts again (the slot of the next request kept)."""
+        at = [self._slot(0, buf)]
+        while not self._stop:
+            with trio.CancelScope() as self._waiting:
+                if await self._read_requests(buf, at):
+                    return
+
+    async def _read_requests(self, buf: bytearray, at: list) -> bool:
+        """``_loop``'s reading, until cancelled (False) or the session is over (True). ``at[0]``:
+        the slot and buffer the next request is read into."""
         burst = 0
         idle = getattr(self.ops, "idle", None)
-        slot, into = self._slot(0, buf)
+        slot, into = at[0]
         while not self._stop:
             try:
                 length = os.readv(self.fd, [into])
@@ -361,43 +374,58 @@ class Session(Opcodes):
                     # each one and mostly find it taken); read again only once none is left
                     await self.procs.changed()
                     if self.procs.unmounted:
-                        return
+                        return True
                     continue
-                with trio.CancelScope() as self._waiting:
-                    await trio.lowlevel.wait_readable(self.fd)
+                await trio.lowlevel.wait_readable(self.fd)
                 continue
             except OSError as exc:
                 if exc.errno == errno.ENODEV:         # unmounted: the session is over
-                    return
+                    return True
                 if exc.errno in (errno.ENOENT, errno.EINTR):   # a request interrupted before we read it
                     continue
                 raise
             self.requests += 1
-            quick = self._quick
-            request = into[:length]
-            if quick is None or slot >= 0 or not self._answered(quick, request):
-                self._dispatch(request, self.fd, slot)
+            self._dispatch(into[:length], self.fd, slot)
             if self.inflight is not None:      # the next slot (or the buffer when none is free)
-                slot, into = self._slot(0, buf)
+                slot, into = at[0] = self._slot(0, buf)
             burst += 1
             if burst >= _BURST:
                 burst = 0
                 if self._opened_here:
                     self._tell_opened()
                 await trio.lowlevel.checkpoint()
+        return True
 
-    def _answered(self, quick: Callable[[memoryview], int], request: memoryview) -> bool:
-        """Whether the loops' table answered ``request`` (``LoopTable.answerer``: an open of a
-        published backing, a release or an ioctl of a handle from the table), as a loop process
+    def _answered(self, quick: Callable[[memoryview, int], int], request: memoryview, fd: int) -> bool:
+        """Whether the loops' table answered ``request`` on ``fd`` (``LoopTable.answerer``: an open
+        of a published backing, a release or an ioctl of a handle from the table), as a loop process
         would: no request object, no operation."""
         try:
-            opcode = quick(request)
+            opcode = quick(request, fd)
         except OSError as exc:
             log.error("cannot answer a FUSE request: %s", exc)
             return True
         if opcode:
             self.opcodes[opcode] = self.opcodes.get(opcode, 0) + 1
         return bool(opcode)
+
+    def settled(self, timeout: float = 1.0) -> None:
+        """From another thread (a metrics scrape): return once the operations have been told
+        every open the loops' table answered before this call (at most ``timeout`` s)."""
+        token = self._token
+        if token is None or self._quick is None:
+            return
+        done = threading.Event()
+
+        def settle() -> None:          # in the trio thread: every answer written before this is in the list
+            if self._opened_here:
+                self._tell_opened()
+            done.set()
+        try:
+            token.run_sync_soon(settle)
+        except trio.RunFinishedError:
+            return
+        done.wait(timeout)
 
     def _tell_opened(self) -> None:
         """The operations count the opens answered from the table (passthrough opens, bytes served)."""
@@ -416,6 +444,11 @@ class Session(Opcodes):
 
     # ---- dispatch ------------------------------------------------------------------------------
     def _dispatch(self, data: memoryview, fd: int, slot: int = -1, replayed: bool = False) -> None:
+        quick = self._quick            # what the loops' table answers, from any loop or the log: no request object
+        if quick is not None and self._answered(quick, data, fd):
+            if slot >= 0:
+                self.inflight.done(slot)
+            return
         if self._opened_here:                   # counted before anything that could report them
             self._tell_opened()
         try:

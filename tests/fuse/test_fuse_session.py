@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from cachefs.fuse import abi
+from cachefs.fuse.looptable import LOOP_FH
 from cachefs.fuse.session import Session, SessionOptions
 from cachefs.fuse.types import Attr, FileInfo, FuseError
 
@@ -226,3 +227,53 @@ def test_zero_message_opens_are_asked_for_only_where_offered_and_reads_with_no_h
         unique, error, body = await wire.answer()
         assert (unique, error) == (22, 0) and abi.OPEN_OUT.unpack(body)[0] == 7
     run(not_offered, SessionOptions(no_open=True), NoOpenOps())
+
+
+def test_the_loops_table_answers_its_requests_before_the_operations_see_them():
+    """A mount whose loops could run keeps their table even with no loop process (``--fuse-loops
+    0``): the daemon's loop answers a read-only OPEN of a published inode from it (a table handle,
+    the backing id, passthrough), its RELEASE and isatty, and tells the operations the opens in one
+    batch once no request is left; an open for writing, or of an inode not published, goes to the
+    operations; the release of an earlier daemon's table handle is answered, never counted. A
+    metrics scrape's thread waits (``settled``) until the opens answered before it are told."""
+    class TableOps(Ops):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table_opens: list[int] = []
+
+        def table_opened(self, inodes):
+            self.table_opens += inodes
+
+    async def test(wire, session, ops):
+        wire.send(init())
+        await wire.answer()
+        with trio.fail_after(10):
+            while session.procs is None:
+                await trio.sleep(0.01)
+        table = session.procs.table
+        assert table.publish(2, 5, 77)
+        read_only, writable = abi.OPEN_IN.pack(os.O_RDONLY, 0), abi.OPEN_IN.pack(os.O_RDWR, 0)
+        wire.send(request(abi.OPEN, 40, nodeid=2, body=read_only))
+        wire.send(request(abi.OPEN, 41, nodeid=2, body=read_only))
+        first, second = await wire.answer(), await wire.answer()
+        for unique, (got, error, body) in zip((40, 41), (first, second), strict=True):
+            fh, flags, backing_id = abi.OPEN_OUT.unpack(body)
+            assert (got, error, flags, backing_id) == (unique, 0, abi.FOPEN_PASSTHROUGH, 77)
+            assert fh == LOOP_FH | (table.nonce & 0xFFFF) << 32 | 5
+        await trio.to_thread.run_sync(session.settled)          # as a metrics scrape asks, from its thread
+        assert ops.table_opens == [2, 2]
+        wire.send(request(abi.OPEN, 42, nodeid=2, body=writable))          # the operations' to answer
+        assert await wire.answer() == (42, 0, abi.OPEN_OUT.pack(7, abi.FOPEN_KEEP_CACHE, 0))
+        wire.send(request(abi.OPEN, 43, nodeid=3, body=read_only))         # not published
+        assert (await wire.answer())[:2] == (43, 0)
+        wire.send(request(abi.IOCTL, 44, nodeid=2, body=abi.IOCTL_IN.pack(fh, 0, 0x5401, 0, 0, 60)))
+        assert await wire.answer() == (44, -errno.ENOTTY, b"")
+        wire.send(request(abi.RELEASE, 45, nodeid=2, body=abi.RELEASE_IN.pack(fh, 0, 0, 0)))
+        assert await wire.answer() == (45, 0, b"")
+        earlier = LOOP_FH | ((table.nonce + 1) & 0xFFFF) << 32 | 5
+        wire.send(request(abi.RELEASE, 46, nodeid=2, body=abi.RELEASE_IN.pack(earlier, 0, 0, 0)))
+        assert await wire.answer() == (46, 0, b"")
+        assert table.open_files(5) == 1                          # two opened, one of them released
+        assert table.stats(0) == {"opens": 2, "releases": 2, "ioctls": 1, "forwarded": 0}
+        assert ops.table_opens == [2, 2]
+    run(test, SessionOptions(passthrough=True, loop_processes="auto"), TableOps())

@@ -458,9 +458,9 @@ def test_the_table_answers_what_it_can_alone_and_counts_it_in_its_row(row, monke
     try:
         table = loops.table
         table.publish(10, 3, 101)
-        answer = table.answerer(write_end, row, told.append)
+        answer = table.answerer(row, told.append)
         flags = abi.OPEN_IN.pack(os.O_RDONLY, 0)
-        assert answer(request(abi.OPEN, 1, 10, flags)) == abi.OPEN
+        assert answer(request(abi.OPEN, 1, 10, flags), write_end) == abi.OPEN
         (error, unique, body), = answers(read_end)
         fh, open_flags, backing_id = abi.OPEN_OUT.unpack(body)
         assert (error, unique, backing_id, open_flags) == (0, 1, 101, abi.FOPEN_PASSTHROUGH)
@@ -475,14 +475,14 @@ def test_the_table_answers_what_it_can_alone_and_counts_it_in_its_row(row, monke
                            request(abi.GETATTR, 7, 10, bytes(16)),
                            request(abi.OPEN, 13, 10, b""),                           # cut short
                            request(abi.RELEASE, 14, 10, b"")[:30]):
-            assert answer(unanswered) == 0
+            assert answer(unanswered, write_end) == 0
         assert answers(read_end) == [] and told == [10] and table.stats(row)["opens"] == 1
 
         isatty = abi.IOCTL_IN.pack(fh, 0, 0x5401, 0, 0, 60)
-        assert answer(request(abi.IOCTL, 8, 10, isatty)) == abi.IOCTL
-        assert answer(request(abi.RELEASE, 9, 10, abi.RELEASE_IN.pack(fh, 0, 0, 0))) == abi.RELEASE
+        assert answer(request(abi.IOCTL, 8, 10, isatty), write_end) == abi.IOCTL
+        assert answer(request(abi.RELEASE, 9, 10, abi.RELEASE_IN.pack(fh, 0, 0, 0)), write_end) == abi.RELEASE
         earlier = LOOP_FH | 6 << 32 | 3                 # an earlier daemon's handle of that slot
-        assert answer(request(abi.RELEASE, 10, 10, abi.RELEASE_IN.pack(earlier, 0, 0, 0))) == abi.RELEASE
+        assert answer(request(abi.RELEASE, 10, 10, abi.RELEASE_IN.pack(earlier, 0, 0, 0)), write_end) == abi.RELEASE
         assert answers(read_end) == [(-errno.ENOTTY, 8, b""), (0, 9, b""), (0, 10, b"")]
         assert table.released[row][3] == 1 and table.open_files(3) == 0
         assert table.stats(row) == {"opens": 1, "releases": 2, "ioctls": 1, "forwarded": 0}
@@ -490,15 +490,15 @@ def test_the_table_answers_what_it_can_alone_and_counts_it_in_its_row(row, monke
         def interrupted(fd, parts):
             raise OSError(errno.ENOENT, "no such request")
         monkeypatch.setattr(os, "writev", interrupted)
-        gone = table.answerer(write_end, row, told.append)
-        assert gone(request(abi.OPEN, 11, 10, flags)) == abi.OPEN
+        gone = table.answerer(row, told.append)
+        assert gone(request(abi.OPEN, 11, 10, flags), write_end) == abi.OPEN
         assert table.open_files(3) == 0 and told == [10] and table.stats(row)["opens"] == 1
         monkeypatch.undo()
         os.close(read_end)
         read_end = -1
-        broken = table.answerer(write_end, row)
+        broken = table.answerer(row)
         with pytest.raises(BrokenPipeError):
-            broken(request(abi.OPEN, 12, 10, flags))
+            broken(request(abi.OPEN, 12, 10, flags), write_end)
         assert table.open_files(3) == 0
     finally:
         for fd in (read_end, write_end):

@@ -2,10 +2,12 @@
 prometheus_client's own Counter and Histogram would for the same observations."""
 
 import random
+import threading
+import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from cachefs.metrics import LATENCY_BUCKETS, OperationTimes, metrics_table
+from cachefs.metrics import LATENCY_BUCKETS, Exporter, Metrics, OperationTimes, metrics_table
 
 
 def test_operation_times_export_as_a_counter_and_a_histogram_would():
@@ -33,3 +35,25 @@ def test_operation_times_export_as_a_counter_and_a_histogram_would():
         assert name_a == name_b and abs(float(value_a) - float(value_b)) < 1e-9, (a, b)
     table = metrics_table(ours)
     assert "| `t_ops_total` | counter | `op` | Ops |" in table and "| `t_op_seconds` | histogram | `op` |" in table
+
+
+def test_the_exporter_runs_its_hook_before_each_scrape_and_serves_what_it_counted():
+    """A daemon counts some answers in batches; the scrape's thread first has them counted
+    (``Exporter(before=...)``), so a scrape never shows less than what was answered before it."""
+    metrics = Metrics()
+    pending = Counter("t_batched", "Counted in batches", registry=metrics.registry)
+    calls = []
+
+    def before():
+        calls.append(threading.current_thread().name)
+        pending.inc(3)
+
+    exporter = Exporter(metrics, "127.0.0.1", 19000 + random.Random().randrange(2000), before=before)
+    try:
+        for expected in (3, 6):
+            with urllib.request.urlopen(f"http://{exporter.address}/metrics", timeout=10) as answer:
+                text = answer.read().decode()
+            assert f"t_batched_total {float(expected)}" in text.splitlines()
+        assert len(calls) == 2 and threading.current_thread().name not in calls
+    finally:
+        exporter.close()
