@@ -84,7 +84,7 @@ class Session(Opcodes):
         self.options = options or SessionOptions()
         self.negotiated = Negotiated()
         self.ops = None
-        self.requests = 0
+        self.requests = self.polled = 0          # (polled: requests found by --fuse-poll-us, not a wake-up)
         self.opcodes: dict[int, int] = {}       # requests read, by opcode
         self._running: dict[int, trio.CancelScope] = {}     # unique -> scope of an interruptible task
         self._nursery: trio.Nursery | None = None
@@ -343,10 +343,9 @@ class Session(Opcodes):
             self._dispatch(data if slot >= 0 else memoryview(data), fd, slot)
 
     async def _loop(self, buf: bytearray) -> None:
-        """Read and answer requests until unmounted or stopped. The wait for the descriptor needs no
-        cancel scope of its own (one per wait cost as much as the answer of an open): the reading
-        runs in one scope that ``_stop_waiting`` cancels, for work of a quiet moment or loops that
-        started reading, and starts again (the slot of the next request kept)."""
+        """Read and answer requests until unmounted or stopped. The wait for the descriptor has no
+        cancel scope of its own (one per wait cost as much as an open's answer): the reading runs in
+        one that ``_stop_waiting`` cancels (idle work, loops reading); it starts again, slot kept."""
         at = [self._slot(0, buf)]
         while not self._stop:
             with trio.CancelScope() as self._waiting:
@@ -356,7 +355,7 @@ class Session(Opcodes):
     async def _read_requests(self, buf: bytearray, at: list) -> bool:
         """``_loop``'s reading, until cancelled (False) or the session is over (True). ``at[0]``:
         the slot and buffer the next request is read into."""
-        burst = 0
+        burst, poll = 0, self.options.poll_s
         idle = getattr(self.ops, "idle", None)
         slot, into = at[0]
         while not self._stop:
@@ -375,6 +374,10 @@ class Session(Opcodes):
                     await self.procs.changed()
                     if self.procs.unmounted:
                         return True
+                    continue
+                if (poll and not trio.lowlevel.current_statistics().tasks_runnable     # --fuse-poll-us:
+                        and mount.readable_within(self.fd, poll)):     # no task waits, read with no sleep
+                    self.polled += 1
                     continue
                 await trio.lowlevel.wait_readable(self.fd)
                 continue

@@ -19,6 +19,7 @@ class SessionOptions:
     inflight: str | None = None         # the in-flight log's path (a mount under a keeper)
     no_open: bool = False               # ask for zero-message opens (FUSE_NO_OPEN_SUPPORT), answer OPEN ENOSYS
     table_slots: int = 81920            # backings the loops' table can publish (idle ones and open ones)
+    poll_s: float = 0.0                 # how long the loop polls for a next request before it sleeps
 
     @classmethod
     def from_config(cls, cfg, *, passthrough: bool, kept: bool) -> "SessionOptions":
@@ -29,7 +30,8 @@ class SessionOptions:
                    loops=cfg.fuse_loops,
                    loop_processes=cfg.fuse_loop_kind if cfg.fuse_loop_kind != "thread" and cfg.immutable else "",
                    inflight=os.path.join(cfg.cache_dir, "fuse-inflight") if kept else None,
-                   no_open=cfg.fuse_no_open, table_slots=cfg.fuse_idle_backings + 16384)
+                   no_open=cfg.fuse_no_open, table_slots=cfg.fuse_idle_backings + 16384,
+                   poll_s=cfg.fuse_poll_us / 1e6)
 
 
 @dataclass(slots=True)

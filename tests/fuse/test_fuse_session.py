@@ -6,8 +6,10 @@ INTERRUPT cancels a waiting request (EINTR); the session never dies of a request
 
 import errno
 import os
+import select
 import socket
 import struct
+import time
 
 import pytest
 import trio
@@ -277,3 +279,36 @@ def test_the_loops_table_answers_its_requests_before_the_operations_see_them():
         assert table.stats(0) == {"opens": 2, "releases": 2, "ioctls": 1, "forwarded": 0}
         assert ops.table_opens == [2, 2]
     run(test, SessionOptions(passthrough=True, loop_processes="auto"), TableOps())
+
+
+@pytest.mark.parametrize("poll_s", [0.0, 0.5])
+def test_the_loop_polls_for_a_next_request_only_as_long_as_asked(poll_s):
+    """``--fuse-poll-us``: after its last request, with no task waiting to run, the loop polls the
+    descriptor that long before it sleeps in trio; a request that comes meanwhile is read and
+    answered with no wake-up (counted: ``polled``). Off (0), every request after a quiet moment is
+    a wake-up. (Requests answered at once: a task to run, as an answer in a task is, stops the poll.)"""
+    class AtOnce(Ops):
+        def now_getattr(self, inode):
+            return Attr(ino=inode, mode=0o100644, size=5)
+
+    def kernel_side(sock: socket.socket) -> list:
+        got = []
+        for unique in (50, 51, 52):
+            sock.send(request(abi.GETATTR, unique, nodeid=2, body=bytes(16)))
+            select.select([sock], [], [], 10)
+            got.append(abi.OUT_HEADER.unpack_from(sock.recv(1 << 16))[1:])
+            time.sleep(0.05)                     # well inside a 0.5 s poll
+        return got
+
+    async def test(wire, session, ops):
+        wire.send(init())
+        await wire.answer()
+        kernel = wire.kernel.dup()
+        kernel.setblocking(True)
+        try:
+            answers = await trio.to_thread.run_sync(kernel_side, kernel)
+        finally:
+            kernel.close()
+        assert answers == [(0, 50), (0, 51), (0, 52)]
+        assert session.polled == (2 if poll_s else 0)     # the first came after a quiet moment
+    run(test, SessionOptions(poll_s=poll_s), AtOnce())

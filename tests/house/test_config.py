@@ -166,6 +166,8 @@ def test_wrong_types_in_toml(tmp_path, toml, words):
     (["--fuse-no-open"], ["--fuse-no-open", "--immutable"]),
     (["--fuse-idle-backings", "-1"], ["fuse_idle_backings", "0..4194304"]),
     (["--fuse-idle-backings", "5000000"], ["fuse_idle_backings"]),
+    (["--fuse-poll-us", "5000"], ["fuse_poll_us", "0..1000"]),
+    (["--fuse-poll-us", "-1"], ["fuse_poll_us"]),
     (["--fuse-no-open", "--read-only"], ["--fuse-no-open", "--immutable"]),
     (["--fuse-no-open", "--immutable", "--fuse-backend", "pyfuse3"], ["--fuse-no-open", "cachefs"]),
 ])
