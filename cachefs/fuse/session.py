@@ -14,7 +14,8 @@ and first asks the kernel to send again every request read but not answered
 Where the kernel cannot resend (before Linux 6.9), a session under a keeper reads each request
 straight into a slot of an in-flight log that outlives it, freed once the request is answered
 (``inflight.py``); a session that adopts the connection answers what its predecessor left there.
-``stop_reading`` ends the reading and lets the requests in hand be answered (a hand-over).
+``stop_reading`` ends the reading and lets the requests in hand be answered (a hand-over). The
+extra request loops on cloned descriptors (threads or processes) are in ``loops.py``.
 
 Errors: a handler's ``FuseError`` is its answer; an exception the ``Operations`` layer let through
 is a bug and answers EIO (logged with its traceback); an opcode nobody serves answers ENOSYS; a
@@ -34,7 +35,8 @@ import trio
 from cachefs.errors import CachefsError, NeedsWait
 from cachefs.fuse import abi, mount
 from cachefs.fuse.inflight import InflightLog
-from cachefs.fuse.loop_procs import LoopProcesses, new_nonce
+from cachefs.fuse.loop_procs import LoopProcesses
+from cachefs.fuse.loops import RequestLoops
 from cachefs.fuse.mount import MountOptions
 from cachefs.fuse.opcodes import Opcodes
 from cachefs.fuse.settings import Negotiated, SessionOptions
@@ -74,7 +76,7 @@ class Request:
         return raw[:raw.index(b"\0")] if b"\0" in raw else raw
 
 
-class Session(Opcodes):
+class Session(RequestLoops, Opcodes):
     """One mount's connection. ``kernel`` side API for handlers: ``notify_store``,
     ``notify_inval_inode``, ``notify_inval_entry``; lifecycle: ``serve`` until the filesystem
     is unmounted or ``terminate`` is called."""
@@ -223,80 +225,6 @@ class Session(Opcodes):
                 return reserved
         return -1, memoryview(buf)
 
-    # ---- extra request loops: threads on cloned descriptors -----------------------------------------
-    async def _start_loops(self) -> None:
-        """After INIT, ``options.loops`` threads that each read requests from a clone of the
-        session's descriptor (FUSE_DEV_IOC_CLONE) and hand them to the trio thread in batches:
-        the reads (the kernel's copy of each request) leave the trio thread; one owner answers."""
-        if self.options.loops <= 0 and not self.options.loop_processes:
-            self._keep_given()                # kept open (the keeper holds them too), unread
-            return
-        await self._initialized.wait()
-        if self.options.loop_processes and self._start_processes():
-            return
-        for i in range(self.options.loops):
-            fd = self._clone()
-            if fd is None:                    # (every given clone was taken first)
-                log.info("%d request loop(s) only", i + 1)
-                return
-            threading.Thread(target=self._clone_loop, args=(fd, len(self._clones)), name=f"fuse-loop-{i + 1}",
-                             daemon=True).start()
-        if self.options.loops > 0:
-            log.info("%d extra FUSE request loop(s) on cloned descriptors", self.options.loops)
-        self._keep_given()
-
-    def _clone(self) -> int | None:
-        """A descriptor for one more request loop: a clone a previous daemon made (the keeper kept
-        it), else a new clone of the session's (given to the keeper); None if the kernel refuses."""
-        if self._given_clones:
-            fd = self._given_clones.pop(0)
-        else:
-            try:
-                fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-                fcntl.ioctl(fd, abi.DEV_IOC_CLONE, bytearray(struct.pack("<I", self.fd)))
-            except OSError as exc:
-                log.info("cannot clone the FUSE descriptor (%s)", exc)
-                return None
-            self.cloned(fd)
-        self._clones.append(fd)
-        return fd
-
-    def _keep_given(self) -> None:
-        for fd in self._given_clones:     # more clones than loops now: the kernel resent their requests
-            self._clones.append(fd)
-        self._given_clones = []
-
-    def _start_processes(self) -> bool:
-        """Request loops as processes (loop_procs.py) where what they answer cannot change under
-        them: passthrough agreed and a kernel that sends requests again (a loop that dies loses none).
-        With no extra loop asked for, their table alone, which the daemon's loop answers opens from."""
-        if not (self.passthrough and (self.negotiated.resend or self.options.loops <= 0)):
-            if self.options.loops > 0:
-                log.log(logging.INFO if self.options.loop_processes == "process" else logging.DEBUG,
-                        "request loop processes need FUSE passthrough and FUSE_NOTIFY_RESEND (Linux 6.9+): "
-                        "thread loops instead")
-            return False
-        fds = [fd for fd in (self._clone() for _ in range(self.options.loops)) if fd is not None]
-        if self.options.loops > 0 and not fds:
-            return False
-        # our loop stops reading once one of them reads (``_loop``, ``_stop_waiting``)
-        procs = LoopProcesses(self._forwarded, lambda: self._notify(abi.NOTIFY_RESEND, []), count=len(fds),
-                              nonce=new_nonce(), slots=self.options.table_slots, ready=self._stop_waiting)
-        try:
-            procs.start(fds)
-        except OSError as exc:
-            log.warning("cannot start the request loop processes (%s): thread loops instead", exc)
-            procs.close()
-            return False
-        self.procs = procs
-        self._quick = procs.table.answerer(0, self._opened_here.append)
-        self._keep_given()
-        started = getattr(self.ops, "loops_started", None)
-        if started is not None:
-            started(self.procs)
-        self._nursery.start_soon(self.procs.run)
-        return True
-
     def idle_work(self) -> None:
         """The operations have work for a moment with no request (``ops.idle``): the request loop,
         if it waits, looks at it now."""
@@ -312,35 +240,6 @@ class Session(Opcodes):
         """A request a loop process read and left to us: answered on its descriptor."""
         self.requests += 1
         self._dispatch(data, fd)
-
-    def _clone_loop(self, fd: int, index: int) -> None:
-        buf = bytearray(abi.BUFFER_SIZE)
-        slot, into = self._slot(index, buf)
-        while not self._stop:
-            try:
-                length = os.readv(fd, [into])
-            except OSError as exc:
-                if exc.errno in (errno.ENOENT, errno.EINTR):
-                    continue
-                return                       # ENODEV: unmounted; EBADF: closed
-            data = into[:length] if slot >= 0 else bytes(into[:length])     # a slot stays its request's
-            with self._inbox_lock:
-                self._inbox.append((data, fd, slot))
-                wake = len(self._inbox) == 1
-            if wake:
-                try:
-                    self._token.run_sync_soon(self._drain_inbox)
-                except trio.RunFinishedError:
-                    return
-            if self.inflight is not None:      # the next slot (or the buffer when none is free)
-                slot, into = self._slot(index, buf)
-
-    def _drain_inbox(self) -> None:
-        with self._inbox_lock:
-            batch, self._inbox = self._inbox, []
-        for data, fd, slot in batch:
-            self.requests += 1
-            self._dispatch(data if slot >= 0 else memoryview(data), fd, slot)
 
     async def _loop(self, buf: bytearray) -> None:
         """Read and answer requests until unmounted or stopped. The wait for the descriptor has no
