@@ -9,6 +9,9 @@ pair: the request loop, its waits in trio, the table's answers.
   --burst     the child writes ``--window`` opens before it reads their answers (many readers:
               the loop finds requests waiting); without it, one open at a time (one reader: the
               loop sleeps in trio between requests and is woken for each)
+  --poll-us   the session's ``--fuse-poll-us`` (default 0 here: off)
+  --gap-us    one at a time: the reader's own work after each answer, spent on CPU (a hot read)
+              or, with ``--gap-sleeps``, asleep (a disk read); pairs/s then shows the round trips
 
     .venv/bin/python -m benchmarks.session_pairs --pairs 60000 --window 8 --burst
 
@@ -45,8 +48,21 @@ class _Ops:
         pass
 
 
-def _kernel(sock: socket.socket, pairs: int, window: int, burst: bool) -> None:
-    """The child: ``pairs`` opens and their releases, ``window`` files open at most."""
+def _gap(seconds: float, spin: bool) -> None:
+    """The reader's own work between two requests: CPU (a hot read) or a sleep (a disk read)."""
+    if seconds <= 0:
+        return
+    if not spin:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _kernel(sock: socket.socket, pairs: int, window: int, burst: bool, gap: float = 0.0, spin: bool = True) -> None:
+    """The child: ``pairs`` opens and their releases, ``window`` files open at most; ``gap``
+    seconds of the reader's own work after each answer it waited for (one at a time)."""
     read_only = abi.OPEN_IN.pack(os.O_RDONLY, 0)
     unique, handles = 100, []
 
@@ -56,7 +72,11 @@ def _kernel(sock: socket.socket, pairs: int, window: int, burst: bool) -> None:
     for _ in range(pairs):
         sock.send(request(abi.OPEN, unique, _INODE, read_only))
         unique += 1
-        handles.append(None if burst else fh_of(sock.recv(4096)))
+        if burst:
+            handles.append(None)
+        else:
+            handles.append(fh_of(sock.recv(4096)))
+            _gap(gap, spin)
         if len(handles) < window:
             continue
         if burst:
@@ -64,14 +84,18 @@ def _kernel(sock: socket.socket, pairs: int, window: int, burst: bool) -> None:
         for fh in handles:
             sock.send(request(abi.RELEASE, unique, _INODE, abi.RELEASE_IN.pack(fh, 0, 0, 0)))
             unique += 1
-        for _ in handles:
-            sock.recv(4096)
+            if not burst:
+                sock.recv(4096)
+                _gap(gap, spin)
+        if burst:
+            for _ in handles:
+                sock.recv(4096)
         handles = []
 
 
-async def _measure(pairs: int, window: int, burst: bool) -> dict:
+async def _measure(pairs: int, window: int, burst: bool, poll: float = 0.0, gap: float = 0.0, spin: bool = True) -> dict:
     kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    session = Session(SessionOptions(passthrough=True, loop_processes="auto"), fd=daemon.fileno())
+    session = Session(SessionOptions(passthrough=True, loop_processes="auto", poll_s=poll), fd=daemon.fileno())
     flags = abi.ASYNC_READ | abi.PASSTHROUGH | abi.MAX_PAGES | abi.INIT_EXT
     try:
         async with trio.open_nursery() as nursery:
@@ -87,7 +111,7 @@ async def _measure(pairs: int, window: int, burst: bool) -> dict:
             pid = os.fork()
             if pid == 0:
                 try:
-                    _kernel(kernel, pairs, window, burst)
+                    _kernel(kernel, pairs, window, burst, gap, spin)
                 finally:
                     os._exit(0)
             await trio.to_thread.run_sync(os.waitpid, pid, 0)
@@ -98,7 +122,8 @@ async def _measure(pairs: int, window: int, burst: bool) -> dict:
         daemon.close()
     user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
     return {"pairs": pairs, "window": window, "burst": burst, "us_per_pair": (user + system) / pairs * 1e6,
-            "user_us_per_pair": user / pairs * 1e6, "pairs_per_s": pairs / took}
+            "user_us_per_pair": user / pairs * 1e6, "pairs_per_s": pairs / took,
+            "poll": session.poll.status() if session.poll is not None else None}
 
 
 def main() -> None:
@@ -106,11 +131,17 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=60000)
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--burst", action="store_true")
+    parser.add_argument("--poll-us", type=int, default=0, help="the session's --fuse-poll-us")
+    parser.add_argument("--gap-us", type=int, default=0,
+                        help="one at a time: the reader's own work after each answer (us)")
+    parser.add_argument("--gap-sleeps", action="store_true", help="the gap is a sleep (a disk read), not CPU")
     args = parser.parse_args()
-    row = trio.run(_measure, args.pairs, args.window, args.burst)
-    print(f"{row['pairs']} pairs, window {row['window']}{', burst' if row['burst'] else ''}: "
+    row = trio.run(_measure, args.pairs, args.window, args.burst, args.poll_us / 1e6, args.gap_us / 1e6,
+                   not args.gap_sleeps)
+    print(f"{row['pairs']} pairs, window {row['window']}{', burst' if row['burst'] else ''}, poll {args.poll_us} us, "
+          f"gap {args.gap_us} us{' asleep' if args.gap_sleeps else ''}: "
           f"{row['us_per_pair']:.1f} us of daemon CPU per pair (user {row['user_us_per_pair']:.1f}), "
-          f"{row['pairs_per_s']:,.0f} pairs/s")
+          f"{row['pairs_per_s']:,.0f} pairs/s" + (f"; poll {row['poll']}" if row["poll"] else ""))
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ def render(status: dict) -> str:
 
 
 def _fuse_lines(fuse: dict | None, open_files: int | None) -> list[str]:
-    """The FUSE layer: backend, protocol, passthrough, requests read, open files; the request loop
-    processes and what the daemon answered from their table, where they are kept."""
+    """The FUSE layer: backend, protocol, passthrough, requests read, open files; the loop's poll
+    (``--fuse-poll-us``); the request loop processes and what the daemon answered from their
+    table, where they are kept."""
     if not fuse:
         return []
     head = fuse.get("backend", "?") + (f" (FUSE {fuse['protocol']})" if fuse.get("protocol") else "")
@@ -57,6 +58,10 @@ def _fuse_lines(fuse: dict | None, open_files: int | None) -> list[str]:
     if "requests" in fuse:
         head += f", {fuse['requests']} requests read"
     lines = [f"  fuse    {head}; {open_files if open_files is not None else '-'} files open"]
+    if poll := fuse.get("poll"):
+        lines.append(f"  poll    {poll['window_us']:g} of {poll['ceiling_us']:g} us now; {poll['found']} requests found "
+                     f"with no wake-up; gave its CPU away {poll['yielded']} times, held back {poll['busy']} "
+                     f"times (every CPU busy)")
     table = fuse.get("loop_processes")
     if table:
         loops = table["loops"]

@@ -52,7 +52,7 @@ class CachefsBackend:
         n = self.session.negotiated
         return {"backend": self.name, "protocol": f"7.{n.minor}", "flags": abi.flag_names(n.flags).split(),
                 "passthrough": self.session.passthrough, "requests": self.session.requests,
-                "polled": self.session.polled,
+                "poll": self.session.poll.status() if self.session.poll is not None else None,
                 "inflight_log": self.session.inflight.status() if self.session.inflight is not None else None,
                 "loop_processes": self.session.procs.status() if self.session.procs is not None else None,
                 "by_opcode": {abi.OPCODE_NAMES.get(op, str(op)): count

@@ -11,11 +11,9 @@ import ctypes
 import errno
 import logging
 import os
-import select
 import socket
 import stat
 import subprocess
-import time
 from dataclasses import dataclass
 
 from cachefs.errors import FuseUnavailable, MountpointError
@@ -126,15 +124,3 @@ def abort(devno: str) -> bool:
         log.debug("cannot abort FUSE connection %s: %s", devno, exc)
         return False
 
-
-def readable_within(fd: int, seconds: float) -> bool:
-    """Whether a request comes on ``fd`` within ``seconds``, polled without sleeping (the thread
-    keeps its CPU, so a request that comes meanwhile is read with no wake-up); also True when
-    the connection is gone (the read that follows says so)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    end = time.monotonic() + seconds
-    while not poller.poll(0):
-        if time.monotonic() >= end:
-            return False
-    return True

@@ -28,6 +28,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import trio
@@ -39,6 +40,7 @@ from cachefs.fuse.loop_procs import LoopProcesses
 from cachefs.fuse.loops import RequestLoops
 from cachefs.fuse.mount import MountOptions
 from cachefs.fuse.opcodes import Opcodes
+from cachefs.fuse.poll import Poll
 from cachefs.fuse.settings import Negotiated, SessionOptions
 from cachefs.fuse.types import Context, FuseError
 from cachefs.ports import Port
@@ -54,6 +56,11 @@ Later = NeedsWait       # a fast path that cannot answer without waiting: the re
 
 
 RESENT = 1 << 63          # the bit the kernel sets in the unique of a request it sends again
+
+
+def _results_waiting() -> int:
+    """Work handed to trio's thread from other threads (a worker thread's result), not yet run."""
+    return trio.lowlevel.current_statistics().run_sync_soon_queue_size
 
 
 class Request:
@@ -86,7 +93,8 @@ class Session(RequestLoops, Opcodes):
         self.options = options or SessionOptions()
         self.negotiated = Negotiated()
         self.ops = None
-        self.requests = self.polled = 0          # (polled: requests found by --fuse-poll-us, not a wake-up)
+        self.requests = 0
+        self.poll: Poll | None = None             # --fuse-poll-us (poll.py)
         self.opcodes: dict[int, int] = {}       # requests read, by opcode
         self._running: dict[int, trio.CancelScope] = {}     # unique -> scope of an interruptible task
         self._nursery: trio.Nursery | None = None
@@ -157,6 +165,8 @@ class Session(RequestLoops, Opcodes):
         ``terminate`` is called."""
         self.ops = ops
         os.set_blocking(self.fd, False)
+        if self.options.poll_s > 0:
+            self.poll = Poll(self.fd, self.options.poll_s)
         buf = bytearray(abi.BUFFER_SIZE)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -254,7 +264,7 @@ class Session(RequestLoops, Opcodes):
     async def _read_requests(self, buf: bytearray, at: list) -> bool:
         """``_loop``'s reading, until cancelled (False) or the session is over (True). ``at[0]``:
         the slot and buffer the next request is read into."""
-        burst, poll = 0, self.options.poll_s
+        burst, poll = 0, self.poll
         idle = getattr(self.ops, "idle", None)
         slot, into = at[0]
         while not self._stop:
@@ -274,11 +284,19 @@ class Session(RequestLoops, Opcodes):
                     if self.procs.unmounted:
                         return True
                     continue
-                if (poll and not trio.lowlevel.current_statistics().tasks_runnable     # --fuse-poll-us:
-                        and mount.readable_within(self.fd, poll)):     # no task waits, read with no sleep
-                    self.polled += 1
+                if poll is None:
+                    await trio.lowlevel.wait_readable(self.fd)
                     continue
+                # --fuse-poll-us: read with no sleep, when no request is in a task (its thread's or
+                # the store's answer would wait for the poll) and no task waits to run; the poll
+                # ends at the loop's next timer or once a worker thread's result comes (poll.py)
+                quiet = time.monotonic()
+                if not self._in_hand:
+                    stats = trio.lowlevel.current_statistics()
+                    if not stats.tasks_runnable and poll(stats.seconds_to_next_deadline, _results_waiting):
+                        continue
                 await trio.lowlevel.wait_readable(self.fd)
+                poll.slept(time.monotonic() - quiet)
                 continue
             except OSError as exc:
                 if exc.errno == errno.ENODEV:         # unmounted: the session is over

@@ -15,9 +15,17 @@ def test_the_fuse_line_names_the_backend_passthrough_and_open_files():
     text = render(status({"backend": "cachefs", "protocol": "7.45", "passthrough": True, "requests": 30113,
                           "loop_processes": None}, open_files=2))
     assert "  fuse    cachefs (FUSE 7.45), passthrough on, 30113 requests read; 2 files open" in text
-    assert "table" not in text and "loops " not in text
+    assert "table" not in text and "loops " not in text and "poll " not in text
     text = render(status({"backend": "pyfuse3", "passthrough": False}))
     assert "  fuse    pyfuse3, passthrough off; 0 files open" in text
+
+
+def test_the_loops_poll_is_shown_where_it_runs():
+    poll = {"window_us": 50.0, "ceiling_us": 200.0, "found": 812, "grown": 9, "shrunk": 7, "yielded": 3, "busy": 41}
+    text = render(status({"backend": "cachefs", "protocol": "7.45", "passthrough": True, "requests": 900,
+                          "poll": poll}))
+    assert ("  poll    50 of 200 us now; 812 requests found with no wake-up; gave its CPU away 3 times, "
+            "held back 41 times (every CPU busy)") in text
 
 
 def test_loop_processes_and_the_table_are_shown_where_kept():

@@ -121,6 +121,26 @@ def test_request_loops_on_cloned_descriptors_serve_concurrent_readers(tmp_path, 
     mnt.umount()
 
 
+@pytest.mark.parametrize("poll", [None, "0"], ids=["default", "off"])
+def test_the_request_loop_polls_before_it_sleeps_unless_told_not_to(tmp_path, mount_factory, poll):  # noqa: F811
+    """By default the daemon's loop polls /dev/fuse up to 200 us before it sleeps: one reader
+    opening files one after another, hot, has many of its requests found by the poll (no
+    wake-up), and `cachefs status` says so; `--fuse-poll-us 0`: no poll."""
+    write_tree(tmp_path / "data")
+    mnt = mount_factory(f"file://{tmp_path / 'data'}", "--immutable",
+                        *(["--fuse-poll-us", poll] if poll else [])).start()
+    paths = [str(mnt / path) for path in sorted(FILES)]
+    for path in paths * (2000 // len(paths) + 1):
+        with open(path, "rb", buffering=0) as fh:
+            fh.read()
+    status = mnt.status()["fuse"]
+    if poll == "0":
+        assert status["poll"] is None
+    else:
+        assert status["poll"]["ceiling_us"] == 200 and status["poll"]["found"] > 0, status["poll"]
+    mnt.umount()
+
+
 @pytest.mark.parametrize("passthrough,kind", [("auto", "thread"), ("off", "auto"), ("auto", "auto")],
                          ids=["passthrough", "no-passthrough", "from-the-loops-table"])
 def test_handles_stay_releasable_past_32768_opens(tmp_path, mount_factory, passthrough, kind):  # noqa: F811
