@@ -380,9 +380,11 @@ async def _tune_then_ready(daemon: Daemon, on_ready: Callable[[], None]) -> None
 
 
 def _passthrough_settled(daemon: Daemon) -> None:
-    """INIT settled whether the kernel takes cache files: without FUSE passthrough, the tiers
-    write no exact files (nor large objects whole) for nothing."""
+    """INIT settled whether the kernel takes cache files: without FUSE passthrough (a kernel
+    that does not offer it: counted, reason ``kernel``), the tiers write no exact files (nor
+    large objects whole) for nothing."""
     if daemon.tiers.handover.enabled and not daemon.fuse.kernel.passthrough:
+        daemon.metrics.group(TierMetrics).passthrough_fallbacks.labels("kernel").inc()
         daemon.tiers.passthrough_off()
 
 

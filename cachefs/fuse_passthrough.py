@@ -19,6 +19,7 @@ from cachefs.namespace.vfs import Node
 
 log = logging.getLogger("cachefs.fuse_ops")
 
+_REFUSED = {errno.EPERM: "no_cap_sys_admin", errno.ELOOP: "stacking"}    # BACKING_OPEN's errno -> fallback reason
 _IDLE_SLICE = 8          # listed files registered per idle turn (~0.5 ms: a request that comes waits no longer)
 
 
@@ -126,8 +127,7 @@ class Passthrough:
             backing_id = self.kernel.backing_open(exact.fd)
         except OSError as exc:
             self.vfs.blocks.release_exact(exact)
-            self.served.passthrough_fallbacks.labels(
-                "no_cap_sys_admin" if exc.errno == errno.EPERM else "backing_open").inc()
+            self.served.passthrough_fallbacks.labels(_REFUSED.get(exc.errno, "backing_open")).inc()
             if not self.kernel.passthrough:          # refused for good (the session turned it off)
                 self.vfs.blocks.passthrough_off()
             return 0

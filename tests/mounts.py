@@ -150,6 +150,19 @@ def tmpfs(path: Path, size: str):
             subprocess.run(["umount", "-l", str(path)], check=True)
 
 
+@contextlib.contextmanager
+def ramfs(path: Path):
+    """A ramfs mounted at ``path`` (made here: a filesystem with no extended attributes and no
+    size), always unmounted (lazily if busy)."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
 def fill(path: Path) -> None:
     """Take every byte a filesystem has left, in the new file ``path``."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)

@@ -476,15 +476,18 @@ class Session(RequestLoops, Opcodes):
 
     def backing_open(self, fd: int) -> int:
         """Register ``fd`` as a backing file; the id to answer an OPEN with. OSError when the
-        kernel refuses; EPERM (no CAP_SYS_ADMIN) turns passthrough off for the session."""
+        kernel refuses; a refusal that every file would meet turns passthrough off for the
+        session: EPERM (no CAP_SYS_ADMIN), ELOOP (the cache files are on a stacked filesystem,
+        e.g. overlayfs: the kernel takes backing files one level deep only)."""
         arg = bytearray(abi.BACKING_MAP.pack(fd, 0, 0))
         try:
             return fcntl.ioctl(self.fd, abi.DEV_IOC_BACKING_OPEN, arg)
         except OSError as exc:
-            if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL):
+            if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.ELOOP):
                 self._passthrough_refused = exc.errno
-                log.info("FUSE passthrough refused by the kernel (%s): every read goes through the daemon",
-                         os.strerror(exc.errno))
+                why = ("the cache dir is on a stacked filesystem (overlayfs?)" if exc.errno == errno.ELOOP
+                       else os.strerror(exc.errno))
+                log.info("FUSE passthrough refused by the kernel (%s): every read goes through the daemon", why)
             raise
 
     def backing_close(self, backing_id: int) -> None:

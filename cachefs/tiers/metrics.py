@@ -43,10 +43,11 @@ class TierMetrics:
                                           "Reads that joined an in-flight download", registry=r)
         self.passthrough_opens = Counter("cachefs_passthrough_opens", "Opens the kernel serves from a cache file "
                                          "itself (FUSE passthrough: no READ reaches the daemon)", registry=r)
-        # reason in {kernel, no_cap_sys_admin, backing_open, no_xattr, not_cached, busy, mutable, off, no_open}
+        # reason in {kernel, no_cap_sys_admin, stacking, backing_open, no_xattr, not_cached, busy, mutable, off,
+        # no_open}
         self.passthrough_fallbacks = Counter("cachefs_passthrough_fallbacks", "Opens (or whole mounts: kernel, "
-                                             "mutable, off, no_open, no_cap_sys_admin, no_xattr) served without passthrough, "
-                                             "by reason", ["reason"], registry=r)
+                                             "mutable, off, no_open, no_cap_sys_admin, stacking, no_xattr) served "
+                                             "without passthrough, by reason", ["reason"], registry=r)
         # result in {assembled, failed}
         self.whole_files = Counter("cachefs_whole_files", "Large objects written as one exact cache file from "
                                    "their cached blocks (so passthrough can hand them to the kernel), by result",

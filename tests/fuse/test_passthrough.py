@@ -4,8 +4,10 @@ after it was checked in this boot (read back as the disk tier wrote it, or verif
 hand-over; sealed, so a later daemon trusts an unchanged file); a corrupted cache file is never
 handed over (0 wrong bytes), sealed or not; mounts where it cannot apply say why; a handed-over file stays readable while open."""
 
+import contextlib
 import os
 import random
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -37,8 +39,8 @@ def dataset(s3_server, bucket):
     return f"s3://{bucket}/ds", ("--endpoint-url", s3_server.endpoint_url)
 
 
-def mount(mount_factory, url, args, port, *extra):
-    return mount_factory(url, *args, "--metrics-port", str(port), *extra).start()
+def mount(mount_factory, url, args, port, *extra, **where):
+    return mount_factory(url, *args, "--metrics-port", str(port), *extra, **where).start()
 
 
 def read_all(root: Path) -> dict[str, bytes]:
@@ -133,6 +135,58 @@ def test_mounts_that_cannot_pass_through_say_why_and_read_through_the_daemon(dat
     assert m[f'cachefs_passthrough_fallbacks_total{{reason="{reason}"}}'] == 1
     hits = 'cachefs_tier_hits_total{tier="disk"}'
     assert m[hits] - before.get(hits, 0) >= len(FILES)      # the daemon read every file from the disk tier
+
+
+@contextlib.contextmanager
+def cache_filesystem(kind: str, path: Path):
+    """A cache dir on a filesystem passthrough cannot use, always unmounted: overlayfs (stacked:
+    the kernel takes backing files one level deep only) or ramfs (no user extended attributes)."""
+    path.mkdir()
+    if kind == "overlay":
+        layers = path.parent / "layers"
+        for name in ("lower", "upper", "work"):
+            (layers / name).mkdir(parents=True)
+        options = f"lowerdir={layers / 'lower'},upperdir={layers / 'upper'},workdir={layers / 'work'}"
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(path)], check=True)
+    else:
+        subprocess.run(["mount", "-t", "ramfs", "ramfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_cache_dir_on_a_stacked_filesystem_falls_back_with_one_log_line(dataset, mount_factory, tmp_path):
+    """A cache dir on overlayfs: the kernel refuses its cache files as backing files (ELOOP).
+    The mount works and reads right, every read through the daemon; one log line says why (at
+    the first hand-over: the first daemon read everything cold, only the second tried), the
+    reason is counted once, and no later open tries again."""
+    url, args = dataset
+    port = free_port()
+    with cache_filesystem("overlay", tmp_path / "cache-fs") as cache:
+        mnt = mount(mount_factory, url, args, port, "--immutable", cache_dir=cache)
+        assert read_all(mnt.path) == FILES                  # cold: fetched, cached
+        mnt.umount()
+        mnt.start()
+        assert read_all(mnt.path) == FILES                  # from the disk tier, through the daemon
+        m = metrics(port)
+        assert m.get("cachefs_passthrough_opens_total", 0) == 0
+        assert m['cachefs_passthrough_fallbacks_total{reason="stacking"}'] == 1, m
+        assert m['cachefs_tier_hits_total{tier="disk"}'] >= len(FILES)
+        mnt.umount()
+        log = (cache / "cachefs.log").read_text()
+    assert log.count("FUSE passthrough refused by the kernel (the cache dir is on a stacked filesystem") == 1, log
+
+
+def test_a_cache_filesystem_without_user_extended_attributes_is_found_at_start(tmp_path):
+    """Where cache files cannot keep their header in an attribute (ramfs here; vfat, some
+    network filesystems), the disk tier finds it before its first write (``keeps_xattrs``),
+    and writes its cache files with the header inside: no passthrough, one log line."""
+    assert fmt.keeps_xattrs(tmp_path)
+    with cache_filesystem("ramfs", tmp_path / "ramfs") as bare:
+        assert not fmt.keeps_xattrs(bare)
+        assert list(bare.iterdir()) == []                   # the probe leaves nothing
 
 
 def test_a_handed_over_file_stays_readable_while_others_evict_around_it(dataset, mount_factory, s3_server, bucket):

@@ -3,12 +3,14 @@ first hand-over, held while handed over, and re-verified by a paced background s
 round every handed-over file (small exact files and whole-object files) and drops a corrupt one."""
 
 import errno
+import logging
 import os
 import random
 import time
 
 import pytest
 import trio
+from mounts import ramfs
 
 from cachefs.errors import CorruptBlock, NeedsWait
 from cachefs.metrics import Metrics
@@ -297,3 +299,23 @@ def test_the_read_back_checks_around_the_page_cache_or_buffered_where_o_direct_i
             assert name == "good" and final.read_bytes() == data
     assert len(sealed) == 1 and sealed[0].st_size == len(data)
     assert len(seen) == 2                                   # both read back O_DIRECT first
+
+
+def test_a_disk_tier_on_a_filesystem_without_extended_attributes_writes_no_exact_files(tmp_path, caplog):
+    """Found at start, before any write (ramfs here, which has no size either, so nothing is
+    written to it): one log line, the fallback counted once, no exact files from then on."""
+    caplog.set_level(logging.INFO, logger="cachefs.tiers.disk.tier")
+    metrics = Metrics()
+
+    async def main(root):
+        disk = DiskTier(root, capacity=64 << 20, free_space_ratio=0.0, metrics=metrics, fsync=False,
+                        exact_files=True, seals=False)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(disk.run)
+            assert not disk.exact_files
+            assert not disk._exact(key("a"), b"x" * 5000)         # a small object: no exact file
+            nursery.cancel_scope.cancel()
+    with ramfs(tmp_path / "bare") as root:
+        trio.run(main, root / "blocks")
+    assert metrics.counter_value("cachefs_passthrough_fallbacks_total", reason="no_xattr") == 1
+    assert sum("keeps no user extended attributes" in r.getMessage() for r in caplog.records) == 1

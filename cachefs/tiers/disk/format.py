@@ -521,6 +521,21 @@ def finish(fd: int, fsync: bool, xattr: bytes | None) -> None:
         (os.fsync if xattr is not None else os.fdatasync)(fd)
 
 
+def keeps_xattrs(directory: Path) -> bool:
+    """Whether files in ``directory`` keep a user extended attribute (an exact file's header):
+    False where the filesystem has none (ramfs, vfat, some network filesystems)."""
+    path = os.path.join(directory, f"xattr-probe.{os.getpid()}.tmp")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        finish(fd, False, b"probe")
+        return True
+    except NoXattrs:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def unlink_paths(paths: list[Path]) -> list[OSError]:
     errors = []
     for path in paths:

@@ -126,6 +126,8 @@ class DiskTier:
             raise CacheDirError(f"cannot use cache dir {self.root}: {exc.strerror or exc}") from exc
         if removed:
             log.info("removed %d stale temp files from %s", removed, self.layout.tmp)
+        if self.exact_files and not await trio.to_thread.run_sync(fmt.keeps_xattrs, self.layout.tmp):
+            self._no_xattrs()
         pins = await trio.to_thread.run_sync(self.pins.load)
         for digests in pins.values():
             for digest in digests:
@@ -362,10 +364,7 @@ class DiskTier:
                                      self.layout.block_path(digest), limiter=limiter)
             written = True
         except fmt.NoXattrs:
-            log.info("disk tier: %s keeps no user extended attributes: cache files keep their header "
-                     "inside, and FUSE passthrough is off", self.root)
-            self.exact_files = False
-            self._metrics.passthrough_fallbacks.labels("no_xattr").inc()
+            self._no_xattrs()
             return None
         except CorruptBlock as exc:          # a whole-object file's source block
             log.info("disk tier: not writing %s: %s", digest, exc)
@@ -424,6 +423,15 @@ class DiskTier:
     def _seal(self, digest: str, stamp: list[os.stat_result]) -> None:
         if stamp and self.seals is not None:
             self.seals.seal(digest, stamp[0])
+
+    def _no_xattrs(self) -> None:
+        """No user extended attributes on the cache filesystem: said and counted once; no exact files."""
+        if not self.exact_files:
+            return
+        log.info("disk tier: %s keeps no user extended attributes: cache files keep their header "
+                 "inside, and FUSE passthrough is off", self.root)
+        self.exact_files = False
+        self._metrics.passthrough_fallbacks.labels("no_xattr").inc()
 
     def no_exact_files(self) -> None:
         """The kernel takes no cache files (no FUSE passthrough): write no more exact files."""
