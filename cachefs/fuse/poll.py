@@ -17,7 +17,9 @@ A poll must not take a core from the readers. It does not start while every CPU 
 run on has a thread to run besides it (``/proc/loadavg``'s running count: 8 readers on 2 CPUs);
 while it polls it yields its CPU to any thread that waits for one, and a poll that lost its CPU
 that way (an iteration longer than ``_GAP`` while the thread was switched out: a gap alone may be
-the VM's) ends at once and halves the window.
+the VM's) ends at once and halves the window. Nor may it hold up the loop's thread's other work
+(``Session._read_requests``): no poll while a request is answered by a task or a task waits to
+run, and a poll ends at the next trio timer or once a worker thread's result waits.
 """
 
 import os
@@ -121,4 +123,3 @@ class Poll:
         return {"window_us": round(self.window * 1e6, 1), "ceiling_us": round(self.ceiling * 1e6, 1),
                 "found": self.found, "grown": self.grown, "shrunk": self.shrunk, "yielded": self.yielded,
                 "busy": self.busy, "other": self.other}
-
