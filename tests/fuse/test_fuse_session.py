@@ -310,7 +310,7 @@ def test_no_poll_holds_up_a_request_answered_in_a_task():
     """While a request is answered by a task (here a GETATTR waiting 50 ms, as for the store's
     answer), the loop does not poll after the requests that come meanwhile (one answered at
     once): trio would see the task's wait end only when the poll ends (a first window of 250 ms)."""
-    class InThread(Ops):
+    class InATask(Ops):
         def now_getattr(self, inode):
             if inode == 2:
                 raise Later
@@ -331,7 +331,7 @@ def test_no_poll_holds_up_a_request_answered_in_a_task():
         assert (await wire.answer())[:2] == (60, 0)
         took = time.monotonic() - began
         assert 0.05 <= took < 0.2, took
-    run(test, SessionOptions(poll_s=1.0), InThread())
+    run(test, SessionOptions(poll_s=1.0), InATask())
 
 
 @pytest.mark.parametrize("poll_s", [0.0, 0.001])

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from mounts import cachefs, put_tree
+from mounts import cachefs, put_tree, ramfs
 
 from cachefs.tiers.disk import format as fmt
 from testing.s3 import free_port, s3_client
@@ -138,18 +138,15 @@ def test_mounts_that_cannot_pass_through_say_why_and_read_through_the_daemon(dat
 
 
 @contextlib.contextmanager
-def cache_filesystem(kind: str, path: Path):
-    """A cache dir on a filesystem passthrough cannot use, always unmounted: overlayfs (stacked:
-    the kernel takes backing files one level deep only) or ramfs (no user extended attributes)."""
+def overlay(path: Path):
+    """An overlayfs mounted at ``path`` (made here: a stacked filesystem, whose files the kernel
+    takes as backing files one level deep only), always unmounted."""
     path.mkdir()
-    if kind == "overlay":
-        layers = path.parent / "layers"
-        for name in ("lower", "upper", "work"):
-            (layers / name).mkdir(parents=True)
-        options = f"lowerdir={layers / 'lower'},upperdir={layers / 'upper'},workdir={layers / 'work'}"
-        subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(path)], check=True)
-    else:
-        subprocess.run(["mount", "-t", "ramfs", "ramfs", str(path)], check=True)
+    layers = path.parent / "layers"
+    for name in ("lower", "upper", "work"):
+        (layers / name).mkdir(parents=True)
+    options = f"lowerdir={layers / 'lower'},upperdir={layers / 'upper'},workdir={layers / 'work'}"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(path)], check=True)
     try:
         yield path
     finally:
@@ -164,7 +161,7 @@ def test_a_cache_dir_on_a_stacked_filesystem_falls_back_with_one_log_line(datase
     reason is counted once, and no later open tries again."""
     url, args = dataset
     port = free_port()
-    with cache_filesystem("overlay", tmp_path / "cache-fs") as cache:
+    with overlay(tmp_path / "cache-fs") as cache:
         mnt = mount(mount_factory, url, args, port, "--immutable", cache_dir=cache)
         assert read_all(mnt.path) == FILES                  # cold: fetched, cached
         mnt.umount()
@@ -184,7 +181,7 @@ def test_a_cache_filesystem_without_user_extended_attributes_is_found_at_start(t
     network filesystems), the disk tier finds it before its first write (``keeps_xattrs``),
     and writes its cache files with the header inside: no passthrough, one log line."""
     assert fmt.keeps_xattrs(tmp_path)
-    with cache_filesystem("ramfs", tmp_path / "ramfs") as bare:
+    with ramfs(tmp_path / "ramfs") as bare:
         assert not fmt.keeps_xattrs(bare)
         assert list(bare.iterdir()) == []                   # the probe leaves nothing
 
