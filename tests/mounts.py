@@ -139,28 +139,26 @@ class Mount:
 
 
 @contextlib.contextmanager
+def mounted(path: Path, kind: str, source: str, *options: str):
+    """A filesystem of ``kind`` mounted at ``path`` (made here), always unmounted (lazily if busy)."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", kind, *(["-o", ",".join(options)] if options else []), source, str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
 def tmpfs(path: Path, size: str):
-    """A tmpfs of ``size`` mounted at ``path`` (made here), always unmounted (lazily if busy)."""
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=True)
+    """A tmpfs of ``size`` mounted at ``path``."""
+    return mounted(path, "tmpfs", "tmpfs", f"size={size}")
 
 
-@contextlib.contextmanager
 def ramfs(path: Path):
-    """A ramfs mounted at ``path`` (made here: a filesystem with no extended attributes and no
-    size), always unmounted (lazily if busy)."""
-    path.mkdir()
-    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=True)
+    """A ramfs mounted at ``path``: a filesystem with no extended attributes and no size."""
+    return mounted(path, "ramfs", "ramfs")
 
 
 def fill(path: Path) -> None:

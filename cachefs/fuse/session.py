@@ -291,7 +291,7 @@ class Session(RequestLoops, Opcodes):
                 # the store's answer would wait for the poll) and no task waits to run; the poll
                 # ends at the loop's next timer or once a worker thread's result comes (poll.py)
                 quiet = time.monotonic()
-                if not self._in_hand:
+                if poll.window > 0 and not self._in_hand:      # (no statistics asked while it is off)
                     stats = trio.lowlevel.current_statistics()
                     if not stats.tasks_runnable and poll(stats.seconds_to_next_deadline, _results_waiting):
                         continue

@@ -4,16 +4,14 @@ after it was checked in this boot (read back as the disk tier wrote it, or verif
 hand-over; sealed, so a later daemon trusts an unchanged file); a corrupted cache file is never
 handed over (0 wrong bytes), sealed or not; mounts where it cannot apply say why; a handed-over file stays readable while open."""
 
-import contextlib
 import os
 import random
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from mounts import cachefs, put_tree, ramfs
+from mounts import cachefs, mounted, put_tree, ramfs
 
 from cachefs.tiers.disk import format as fmt
 from testing.s3 import free_port, s3_client
@@ -137,21 +135,13 @@ def test_mounts_that_cannot_pass_through_say_why_and_read_through_the_daemon(dat
     assert m[hits] - before.get(hits, 0) >= len(FILES)      # the daemon read every file from the disk tier
 
 
-@contextlib.contextmanager
 def overlay(path: Path):
-    """An overlayfs mounted at ``path`` (made here: a stacked filesystem, whose files the kernel
-    takes as backing files one level deep only), always unmounted."""
-    path.mkdir()
+    """An overlayfs mounted at ``path``: a stacked filesystem, whose files the kernel takes as
+    backing files one level deep only."""
     layers = path.parent / "layers"
     for name in ("lower", "upper", "work"):
         (layers / name).mkdir(parents=True)
-    options = f"lowerdir={layers / 'lower'},upperdir={layers / 'upper'},workdir={layers / 'work'}"
-    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(path)], check=True)
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=True)
+    return mounted(path, "overlay", "overlay", *(f"{name}dir={layers / name}" for name in ("lower", "upper", "work")))
 
 
 def test_a_cache_dir_on_a_stacked_filesystem_falls_back_with_one_log_line(dataset, mount_factory, tmp_path):
